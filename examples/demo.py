@@ -15,7 +15,7 @@ def main() -> None:
     config = get_preset("moderate")
     splitter = DistributedRangeSplitter(TOTAL, WORLD)
     print(f"{TOTAL} samples over {WORLD} ranks: {splitter.get_all_ranges()}")
-    print(f"{'rank':>4} {'id':>3} {'rotation':>9} {'bright':>7} {'noise':>6} {'scale':>6} {'contr':>6}  seed")
+    print("rank  id  rotation  bright  noise  scale  contr  seed")
     for rank in range(WORLD):
         chain = stream_distributed_augmentation_chain(TOTAL, rank, WORLD, config, base_seed=42)
         for _, p in zip(range(SHOW), chain):

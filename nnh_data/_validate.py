@@ -15,7 +15,9 @@ def check_int(name: str, value: Any, *, low: int | None = None, high: int | None
     try:
         as_int = operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+        raise ValueError(
+            f"{name} must be an integer, got {type(value).__name__} {value!r}"
+        ) from None
     if low is not None and as_int < low or high is not None and as_int > high:
         raise ValueError(f"{name} must be in {_describe(low, high)}, got {as_int}")
     return as_int

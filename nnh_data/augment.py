@@ -60,7 +60,9 @@ class AugmentationConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (lists for pairs) that ``from_dict`` turns back into this config."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        return {
+            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> AugmentationConfig:
@@ -103,7 +105,9 @@ def _config(config: AugmentationConfig | None) -> AugmentationConfig:
     if config is None:
         return _PRESETS["moderate"]
     if not isinstance(config, AugmentationConfig):
-        raise ValueError(f"config must be an AugmentationConfig or None, got {type(config).__name__}")
+        raise ValueError(
+            f"config must be an AugmentationConfig or None, got {type(config).__name__}"
+        )
     return config
 
 
@@ -135,10 +139,10 @@ def gen_augmentation_params_batch(
     key = stream_key(base_seed, epoch, cfg.augmentation_depth, key_rank, key_world)
     ids = as_sample_ids(sample_ids)
     seeds = sample_seeds(key, ids)
-    draws = uniform_draws(seeds, len(PARAM_NAMES))
+    ranges = cfg.ranges()
+    draws = uniform_draws(seeds, len(PARAM_NAMES), [high - low for low, high in ranges])
     out: dict[str, np.ndarray] = {}
-    for row, name, (low, high) in zip(draws, PARAM_NAMES, cfg.ranges()):
-        row *= high - low
+    for row, name, (low, _) in zip(draws, PARAM_NAMES, ranges):
         row += low
         out[name] = row
     out["sample_id"] = ids
@@ -222,6 +226,7 @@ def stream_distributed_augmentation_chain(
         >>> [p["sample_id"] for p in chain]
         [5, 6, 7, 8, 9]
     """
+    num_samples = check_int("num_samples", num_samples, low=0)
     start, end = DistributedRangeSplitter(num_samples, world_size).get_rank_range(rank)
     chunk_size = check_int("chunk_size", chunk_size, low=1)
     cfg = _config(config)
@@ -232,4 +237,6 @@ def stream_distributed_augmentation_chain(
 def _chain(start, end, rank, world_size, cfg, chunk_size, base_seed, epoch):
     for lo in range(start, end, chunk_size):
         ids = np.arange(lo, min(lo + chunk_size, end), dtype=np.int64)
-        yield from _rows(gen_augmentation_params_batch(ids, rank, world_size, cfg, base_seed, epoch))
+        yield from _rows(
+            gen_augmentation_params_batch(ids, rank, world_size, cfg, base_seed, epoch)
+        )

@@ -24,10 +24,11 @@ class DistributedRangeSplitter:
         self._base, self._extra = divmod(self.total_samples, self.world_size)
 
     def __repr__(self) -> str:
-        return f"DistributedRangeSplitter(total_samples={self.total_samples}, world_size={self.world_size})"
+        total, world = self.total_samples, self.world_size
+        return f"DistributedRangeSplitter(total_samples={total}, world_size={world})"
 
     def get_rank_range(self, rank: int) -> tuple[int, int]:
-        """Return ``(start, end)`` (end exclusive) of ``rank``; empty when there are fewer samples than ranks."""
+        """``(start, end)`` of ``rank``, end exclusive; empty when samples are fewer than ranks."""
         check_int("rank", rank, low=0, high=self.world_size - 1)
         start = rank * self._base + min(rank, self._extra)
         return start, start + self._base + (1 if rank < self._extra else 0)
@@ -42,7 +43,7 @@ class DistributedRangeSplitter:
         return [self.get_rank_range(r) for r in range(self.world_size)]
 
     def validate_ranges(self) -> bool:
-        """True when the ranges tile ``[0, total_samples)`` exactly with sizes differing by at most one."""
+        """True when the ranges tile ``[0, total_samples)`` with sizes differing by at most one."""
         ranges = self.get_all_ranges()
         contiguous = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
         sizes = [end - start for start, end in ranges]

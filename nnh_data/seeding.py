@@ -25,6 +25,8 @@ Scalars and arrays go through the same numpy code, so they agree to the bit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from nnh_data._validate import check_int
@@ -40,11 +42,13 @@ MAX_SAMPLE_ID = (1 << 63) - 1  # ids travel as int64 (torch collation); 2**63 id
 
 def mix64(z: np.ndarray) -> np.ndarray:
     """SplitMix64 finalizer applied in place to a uint64 array; returns the array."""
-    z ^= z >> np.uint64(30)
-    z *= _M1
-    z ^= z >> np.uint64(27)
-    z *= _M2
-    z ^= z >> np.uint64(31)
+    tmp = np.empty_like(z)  # one scratch buffer instead of a temporary per shift
+    for shift, mult in ((30, _M1), (27, _M2)):
+        np.right_shift(z, np.uint64(shift), out=tmp)
+        z ^= tmp
+        z *= mult
+    np.right_shift(z, np.uint64(31), out=tmp)
+    z ^= tmp
     return z
 
 
@@ -79,7 +83,9 @@ def as_sample_ids(sample_ids: object) -> np.ndarray:
     """Validate ``sample_ids`` (an int or array-like of ints in [0, 2**63)) as a 1-D int64 array."""
     ids = np.atleast_1d(np.asarray(sample_ids))
     if ids.ndim != 1 or not (ids.dtype.kind in "iu" or ids.size == 0):
-        raise ValueError(f"sample_ids must be an integer or a 1-D array of integers, got {sample_ids!r}")
+        raise ValueError(
+            f"sample_ids must be an integer or a 1-D array of integers, got {sample_ids!r}"
+        )
     if ids.size and (ids.min() < 0 or ids.max() > MAX_SAMPLE_ID):
         bad = ids[(ids < 0) | (ids > MAX_SAMPLE_ID)][0]
         raise ValueError(f"sample_ids must be in [0, {MAX_SAMPLE_ID}], got {bad}")
@@ -95,14 +101,22 @@ def sample_seeds(key: int, sample_ids: np.ndarray) -> np.ndarray:
     return mix64(z)
 
 
-def uniform_draws(seeds: np.ndarray, count: int) -> np.ndarray:
-    """Draws ``0..count-1`` (step 3) for every seed, as a ``(count, n)`` float64 array in [0, 1)."""
+def uniform_draws(
+    seeds: np.ndarray, count: int, scales: Sequence[float] | None = None
+) -> np.ndarray:
+    """Draws ``0..count-1`` (step 3) of every seed: a ``(count, n)`` float64 array in [0, 1).
+
+    Row ``j`` is multiplied by ``scales[j]`` when given, folded into the conversion:
+    ``(u >> 11) * (s * 2**-53)`` equals ``s * ((u >> 11) * 2**-53)`` to the bit, since scaling
+    by a power of two is exact.
+    """
     steps = (np.arange(1, count + 1, dtype=np.uint64) * np.uint64(GOLDEN))[:, None]
     z = steps + seeds[None, :]
     mix64(z)
     z >>= np.uint64(11)
     out = z.astype(np.float64)
-    out *= 2.0**-53
+    factors = np.ones(count) if scales is None else np.asarray(scales, dtype=np.float64)
+    out *= (factors * 2.0**-53)[:, None]
     return out
 
 
@@ -122,7 +136,12 @@ class RankAwareSeedGenerator:
     """
 
     def __init__(
-        self, base_seed: int = 0, world_size: int = 1, *, epoch: int = 0, augmentation_depth: int = 1
+        self,
+        base_seed: int = 0,
+        world_size: int = 1,
+        *,
+        epoch: int = 0,
+        augmentation_depth: int = 1,
     ) -> None:
         self.base_seed = check_int("base_seed", base_seed, low=0, high=MASK64)
         self.world_size = check_int("world_size", world_size, low=1)
@@ -131,7 +150,9 @@ class RankAwareSeedGenerator:
 
     def key(self, rank: int) -> int:
         """The stream key of ``rank``."""
-        return stream_key(self.base_seed, self.epoch, self.augmentation_depth, rank, self.world_size)
+        return stream_key(
+            self.base_seed, self.epoch, self.augmentation_depth, rank, self.world_size
+        )
 
     def generate_seed(self, sample_id: int, rank: int = 0) -> str:
         """Lowercase hex seed of ``sample_id`` as seen by ``rank``."""
