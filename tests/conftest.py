@@ -1,1 +1,145 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures: small shard sets and a real S3 API on loopback.
+
+- ``tar_shards(counts, *, pax=True, size=16, name="shard") -> list[str]``: writes one tar shard
+  per item of ``counts`` into ``tmp_path`` (``{name}-000000.tar``, ...) and returns their paths.
+  Samples are numbered globally in shard order: sample g has ``__key__`` ``f"{g:08d}"``,
+  ``cls`` = ``str(g).encode()`` and ``bin`` = ``sample_bytes(g, size)``. ``pax=True`` writes
+  what ``webdataset.ShardWriter`` writes by default (a PAX header per member, fractional
+  mtime); ``pax=False`` plain ustar. A count of 0 writes an empty (but valid) tar.
+- ``parquet_shards(counts, *, row_group_size=4, name="part") -> list[str]``: one Parquet file
+  per item of ``counts``; row g has columns ``id`` (int g) and ``text`` (``f"row {g}"``).
+- ``sample_bytes(g, size) -> bytes``: the ``bin`` payload of sample g (a plain function).
+- ``moto_s3``: a session-wide ``moto_server`` on a free 127.0.0.1 port; yields an ``S3Server``
+  with ``endpoint``, ``storage_options`` (for fsspec/s3fs) and ``bucket(name)`` -> "s3://name"
+  (created, empty). The server process is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+MOTO_SERVER = Path(sys.executable).with_name("moto_server")
+
+
+def sample_bytes(g: int, size: int) -> bytes:
+    """The deterministic ``bin`` payload of sample ``g``."""
+    return (g.to_bytes(8, "little") * (size // 8 + 1))[:size]
+
+
+def write_tar(path: Path, samples: list[dict], *, pax: bool) -> None:
+    """Write samples as tar members ``key.field`` (fields sorted, like webdataset)."""
+    form = tarfile.PAX_FORMAT if pax else tarfile.USTAR_FORMAT
+    with tarfile.open(path, "w", format=form) as tar:
+        for sample in samples:
+            for field in sorted(k for k in sample if k != "__key__"):
+                info = tarfile.TarInfo(f"{sample['__key__']}.{field}")
+                info.size = len(sample[field])
+                info.mtime = time.time() if pax else 0
+                tar.addfile(info, io.BytesIO(sample[field]))
+
+
+def numbered_samples(first: int, count: int, size: int) -> list[dict]:
+    """Samples ``first`` to ``first + count - 1`` as the fixtures number them."""
+    return [
+        {"__key__": f"{g:08d}", "cls": str(g).encode(), "bin": sample_bytes(g, size)}
+        for g in range(first, first + count)
+    ]
+
+
+@pytest.fixture
+def tar_shards(tmp_path: Path) -> Callable[..., list[str]]:
+    def make(counts, *, pax: bool = True, size: int = 16, name: str = "shard") -> list[str]:
+        paths, first = [], 0
+        for i, count in enumerate(counts):
+            path = tmp_path / f"{name}-{i:06d}.tar"
+            write_tar(path, numbered_samples(first, count, size), pax=pax)
+            paths.append(str(path))
+            first += count
+        return paths
+
+    return make
+
+
+@pytest.fixture
+def parquet_shards(tmp_path: Path) -> Callable[..., list[str]]:
+    def make(counts, *, row_group_size: int = 4, name: str = "part") -> list[str]:
+        paths, first = [], 0
+        for i, count in enumerate(counts):
+            ids = list(range(first, first + count))
+            table = pa.table({"id": pa.array(ids, pa.int64()), "text": [f"row {g}" for g in ids]})
+            path = tmp_path / f"{name}-{i:06d}.parquet"
+            pq.write_table(table, path, row_group_size=row_group_size)
+            paths.append(str(path))
+            first += count
+        return paths
+
+    return make
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint: str
+
+    @property
+    def storage_options(self) -> dict:
+        return {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": self.endpoint}}
+
+    def bucket(self, name: str) -> str:
+        """Create an empty bucket; returns its URL."""
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**self.storage_options, skip_instance_cache=True)
+        fs.mkdir(name)
+        return f"s3://{name}"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_until_up(endpoint: str, process: subprocess.Popen, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"moto_server exited with code {process.returncode}")
+        try:
+            urllib.request.urlopen(endpoint, timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"moto_server did not answer at {endpoint} within {seconds} s")
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[S3Server]:
+    port = _free_port()
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    process = subprocess.Popen(
+        [str(MOTO_SERVER), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_up(endpoint, process)
+        yield S3Server(endpoint)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)

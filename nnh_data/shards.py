@@ -1,0 +1,301 @@
+"""Shards and their index: count the samples of tar and Parquet shards, read any range of them.
+
+The dataset layer works on sample ranges ``[start, stop)`` of a shard: :func:`fetch_shard_range`
+does the I/O (one ranged read for tar, the covering row groups for Parquet; safe in a read-ahead
+thread) and :func:`decode_shard_range` turns the payload into sample dicts. The index that makes
+ranges seekable comes from :func:`build_shard_index`, cached in a JSON sidecar
+(:mod:`nnh_data.shard_index`); tar parsing lives in :mod:`nnh_data.tar_format`.
+
+>>> index = build_shard_index("data/train-{000000..000003}.tar")  # doctest: +SKIP
+>>> info = index.shards[0]
+>>> [s["__key__"] for s in iter_shard_samples(info, 0, 2)]  # doctest: +SKIP
+['000000', '000001']
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import warnings
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec import AbstractFileSystem
+from fsspec.core import url_to_fs
+
+from nnh_data._validate import check_choice, check_int
+from nnh_data.shard_index import (
+    ShardIndex,
+    ShardInfo,
+    cached_infos,
+    default_index_path,
+    file_sizes,
+    load_entries,
+    save_entries,
+    updated_entries,
+)
+from nnh_data.sources import detect_format, expand_sources, shard_filesystem
+from nnh_data.tar_format import TarFormatError, iter_samples, parse_members, sample_starts
+
+__all__ = [
+    "ShardError",
+    "ShardIndex",
+    "ShardInfo",
+    "build_shard_index",
+    "decode_shard_range",
+    "expand_sources",
+    "fetch_shard_range",
+    "iter_shard_samples",
+    "split_shard_range",
+]
+
+_SCAN_BLOCK = 1 << 20
+_SCAN_THREADS = 16
+_CHUNK_BYTES = 64 << 20
+
+
+class ShardError(RuntimeError):
+    """An unreadable shard: ``url`` and ``position`` (e.g. "sample 3, byte 10240") say where."""
+
+    # One-argument construction is kept because DataLoader re-raises a worker's error as
+    # ``type(error)(message)``.
+    def __init__(self, url: str, position: str = "", reason: str = "") -> None:
+        super().__init__(url, position, reason)
+        self.url = url
+        self.position = position
+        self.reason = reason
+
+    def __str__(self) -> str:
+        if not self.reason:
+            return self.url
+        return f"{self.url}: {self.reason} (at {self.position})"
+
+
+def build_shard_index(
+    source: str | Sequence[str],
+    *,
+    format: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    index_path: str | None = None,
+    rebuild: bool = False,
+    on_error: str = "raise",
+) -> ShardIndex:
+    """Index the shards of ``source``: sample counts and seek positions, cached in a sidecar.
+
+    Tar counts come from a header-only scan, Parquet counts from footers. The sidecar
+    (``nnh-index.json`` next to the first shard unless ``index_path`` is given) is reused for
+    every shard whose size is unchanged and rewritten when something was scanned.
+    ``on_error="skip"`` keeps unreadable shards with 0 samples and their ``error`` set
+    (with a warning) instead of raising :class:`ShardError`.
+
+    >>> index = build_shard_index("data/train-{000000..000063}.tar")  # doctest: +SKIP
+    >>> index.total_samples, index.offsets()[:3]  # doctest: +SKIP
+    (64000, array([   0, 1000, 2000]))
+    """
+    check_choice("on_error", on_error, ("raise", "skip"))
+    urls = expand_sources(source, storage_options)
+    formats = [detect_format(url, format) for url in urls]
+    fs, paths = shard_filesystem(urls, storage_options)
+    sizes = file_sizes(fs, paths)
+    index_path = index_path or default_index_path(urls)
+    entries = {} if rebuild else load_entries(index_path, storage_options)
+    infos = cached_infos(urls, formats, sizes, entries, index_path)
+    todo = [i for i, info in enumerate(infos) if info is None]
+
+    def scan(i: int) -> ShardInfo:
+        return _scan_or_skip(fs, paths[i], urls[i], formats[i], sizes[i], on_error)
+
+    with ThreadPoolExecutor(min(_SCAN_THREADS, max(1, len(todo)))) as pool:
+        for i, info in zip(todo, pool.map(scan, todo)):
+            infos[i] = info
+    if todo:
+        _save_or_warn(index_path, updated_entries(entries, infos, index_path), storage_options)
+    return ShardIndex(tuple(infos), index_path)
+
+
+def _save_or_warn(index_path: str, entries: dict, storage_options: dict | None) -> None:
+    try:
+        save_entries(index_path, entries, storage_options)
+    except OSError as exc:  # a read-only dataset is still readable, only slower to open
+        warnings.warn(f"could not save the shard index to {index_path!r}: {exc}", stacklevel=3)
+
+
+def _scan_or_skip(
+    fs: AbstractFileSystem, path: str, url: str, format: str, size: int, on_error: str
+) -> ShardInfo:
+    try:
+        return scan_shard(fs, path, url, format, size)
+    except ShardError as exc:
+        if on_error == "raise":
+            raise
+        warnings.warn(f"skipping unreadable shard: {exc}", stacklevel=4)
+        return ShardInfo(url, format, 0, (0,), size, error=str(exc))
+
+
+def scan_shard(fs: AbstractFileSystem, path: str, url: str, format: str, size: int) -> ShardInfo:
+    """Index one shard (``path`` on ``fs``, ``size`` bytes); raises :class:`ShardError`."""
+    if format == "parquet":
+        try:
+            metadata = pq.read_metadata(path, filesystem=fs)
+        except (pa.ArrowException, OSError) as exc:
+            raise ShardError(url, "footer", f"unreadable Parquet file ({exc})") from exc
+        rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+        offsets = (0, *itertools.accumulate(rows))
+        return ShardInfo(url, format, metadata.num_rows, offsets, size)
+    try:
+        offsets = _scan_tar(fs, path, size)
+    except TarFormatError as exc:
+        raise ShardError(url, f"byte {exc.offset}", exc.reason) from exc
+    return ShardInfo(url, format, len(offsets) - 1, offsets, size)
+
+
+def _scan_tar(fs: AbstractFileSystem, path: str, size: int) -> tuple[int, ...]:
+    """Sample start offsets (then the end) from the headers alone: blocks are read around each
+    header and member data is skipped unless it is a PAX or GNU long-name record."""
+    starts: list[int] = []
+    key = None
+    pos = 0
+    block = _SCAN_BLOCK
+    while pos < size:
+        buf = fs.cat_file(path, start=pos, end=min(pos + block, size))
+        parsed = parse_members(buf, 0, len(buf), need_data=False)
+        found, key = sample_starts(parsed.members, key)
+        starts.extend(pos + start for start in found)
+        if parsed.end:
+            return (*starts, pos + parsed.stop)
+        if pos + parsed.stop > size or pos + len(buf) == size and parsed.stop < len(buf):
+            raise TarFormatError(size, "truncated tar (unexpected end of file)")
+        block = block * 2 if parsed.stop == 0 else _SCAN_BLOCK
+        pos += parsed.stop
+    return (*starts, size)
+
+
+def split_shard_range(
+    info: ShardInfo, start: int = 0, stop: int | None = None, *, max_bytes: int = _CHUNK_BYTES
+) -> list[tuple[int, int]]:
+    """Cut ``[start, stop)`` into consecutive sub-ranges small enough to hold in memory.
+
+    Tar pieces stay under ``max_bytes`` (or hold one sample); Parquet pieces are row groups.
+    """
+    stop = info.num_samples if stop is None else stop
+    offsets = info.offsets
+    pieces = []
+    while start < stop:
+        if info.format == "tar":
+            limit = offsets[start] + max_bytes
+            end = min(stop, max(start + 1, bisect.bisect_right(offsets, limit) - 1))
+        else:
+            end = min(stop, offsets[bisect.bisect_right(offsets, start)])
+        pieces.append((start, end))
+        start = end
+    return pieces
+
+
+def fetch_shard_range(
+    info: ShardInfo, start: int, stop: int, *, storage_options: dict[str, Any] | None = None
+) -> bytes | pa.Table:
+    """Read what samples ``[start, stop)`` of the shard need (I/O only, thread-safe).
+
+    Tar: their byte range in one read (``bytes``). Parquet: the row groups covering them
+    (a ``pyarrow.Table``). Raises :class:`ShardError` when the shard cannot be read.
+    """
+    check_int("start", start, low=0, high=info.num_samples)
+    check_int("stop", stop, low=start, high=info.num_samples)
+    fs, path = url_to_fs(info.url, **(storage_options or {}))
+    if info.format == "parquet":
+        return _fetch_parquet(fs, path, info, start, stop)
+    low, high = info.offsets[start], info.offsets[stop]
+    if low == high:
+        return b""
+    try:
+        data = fs.cat_file(path, start=low, end=high)
+    except OSError as exc:
+        raise ShardError(info.url, _tar_position(info, low), f"unreadable ({exc})") from exc
+    if len(data) < high - low:
+        position = _tar_position(info, low + len(data))
+        raise ShardError(info.url, position, "truncated tar (unexpected end of file)")
+    return data
+
+
+def _fetch_parquet(
+    fs: AbstractFileSystem, path: str, info: ShardInfo, start: int, stop: int
+) -> pa.Table:
+    first = bisect.bisect_right(info.offsets, start) - 1
+    last = bisect.bisect_left(info.offsets, stop)
+    try:
+        return pq.ParquetFile(path, filesystem=fs).read_row_groups(
+            range(first, max(first, last)), use_threads=False
+        )
+    except (pa.ArrowException, OSError) as exc:
+        position = f"row group {first} (sample {start})"
+        raise ShardError(info.url, position, f"unreadable Parquet file ({exc})") from exc
+
+
+def decode_shard_range(
+    info: ShardInfo, payload: bytes | pa.Table, start: int, stop: int
+) -> Iterator[dict]:
+    """Samples ``[start, stop)`` from the payload of :func:`fetch_shard_range`, in shard order.
+
+    Tar samples hold ``__key__`` and one ``bytes`` value per member, named by its extension as
+    webdataset names it ("jpg", "seg.png"); Parquet samples hold one Python value per column and
+    ``__key__`` (the ``__key__`` column, else the row number in the shard).
+    """
+    if info.format == "parquet":
+        return _decode_parquet(info, payload, start, stop)
+    return _decode_tar(info, payload, start, stop)
+
+
+def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> Iterator[dict]:
+    base = info.offsets[start]
+    try:
+        parsed = parse_members(buf, 0, len(buf))
+        if parsed.stop < len(buf) and not parsed.end:
+            raise TarFormatError(parsed.stop, "truncated tar (unexpected end of data)")
+        found, _ = sample_starts(parsed.members, None)
+    except TarFormatError as exc:
+        raise ShardError(info.url, _tar_position(info, base + exc.offset), exc.reason) from exc
+    if len(found) != stop - start:
+        reason = f"expected {stop - start} samples, found {len(found)}: the index is stale"
+        raise ShardError(info.url, _tar_position(info, base), reason)
+    return iter_samples(buf, parsed.members)
+
+
+def _tar_position(info: ShardInfo, offset: int) -> str:
+    sample = max(0, bisect.bisect_right(info.offsets, offset) - 1)
+    return f"sample {min(sample, info.num_samples)}, byte {offset}"
+
+
+def _decode_parquet(info: ShardInfo, table: pa.Table, start: int, stop: int) -> Iterator[dict]:
+    first = info.offsets[bisect.bisect_right(info.offsets, start) - 1]
+    table = table.slice(start - first, stop - start)
+    names = table.column_names
+    has_key = "__key__" in names
+    row = start
+    for batch in table.to_batches():
+        columns = [column.to_pylist() for column in batch.columns]
+        keys = columns[names.index("__key__")] if has_key else map(str, range(row, stop))
+        for key, values in zip(keys, zip(*columns)):
+            sample = dict(zip(names, values))
+            sample["__key__"] = key
+            yield sample
+        row += batch.num_rows
+
+
+def iter_shard_samples(
+    info: ShardInfo,
+    start: int = 0,
+    stop: int | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> Iterator[dict]:
+    """Samples ``[start, stop)`` of a shard (all by default), read in memory-bounded pieces.
+
+    >>> for sample in iter_shard_samples(index.shards[0], 10, 20):  # doctest: +SKIP
+    ...     print(sample["__key__"], len(sample["jpg"]))
+    """
+    for low, high in split_shard_range(info, start, stop):
+        payload = fetch_shard_range(info, low, high, storage_options=storage_options)
+        yield from decode_shard_range(info, payload, low, high)

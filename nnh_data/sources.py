@@ -1,0 +1,79 @@
+"""Shard sources: a list of URLs, a glob or a brace pattern, expanded to shard URLs.
+
+Any fsspec filesystem works (local paths, ``file://``, ``memory://``, ``s3://`` through s3fs);
+all shards of one source live on one filesystem, so it is resolved once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import braceexpand
+from fsspec import AbstractFileSystem
+from fsspec.core import split_protocol, url_to_fs
+
+FORMATS = ("tar", "parquet")
+_EXTENSIONS = {".tar": "tar", ".parquet": "parquet", ".pq": "parquet"}
+_GLOB_CHARS = frozenset("*?[")
+
+
+def expand_sources(
+    source: str | Sequence[str], storage_options: dict[str, Any] | None = None
+) -> list[str]:
+    """Expand ``source`` into shard URLs, in a stable order.
+
+    Brace patterns keep zero padding (``{000000..000063}``) and take lists (``{train,val}``);
+    globs are matched on the filesystem and sorted; plain URLs are kept as given.
+
+    >>> expand_sources("data/train-{000000..000002}.tar")
+    ['data/train-000000.tar', 'data/train-000001.tar', 'data/train-000002.tar']
+    """
+    patterns = [source] if isinstance(source, str) else list(source)
+    urls: list[str] = []
+    for pattern in patterns:
+        for url in braceexpand.braceexpand(pattern):
+            urls.extend(_glob(url, storage_options) if _GLOB_CHARS & set(url) else [url])
+    if not urls:
+        raise ValueError(f"source must name at least one shard, got {source!r}")
+    return urls
+
+
+def _glob(url: str, storage_options: dict[str, Any] | None) -> list[str]:
+    fs, path = url_to_fs(url, **(storage_options or {}))
+    found = sorted(fs.glob(path))
+    if not found:
+        raise FileNotFoundError(f"no shard matches {url!r}")
+    if split_protocol(url)[0] is None:
+        return found
+    return [fs.unstrip_protocol(p) for p in found]
+
+
+def detect_format(url: str, format: str | None = None) -> str:
+    """The shard format: ``format`` if given, else from the extension (.tar, .parquet, .pq)."""
+    if format is not None:
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of 'tar', 'parquet' or None, got {format!r}")
+        return format
+    name = url.rsplit("/", 1)[-1].lower()
+    for extension, found in _EXTENSIONS.items():
+        if name.endswith(extension):
+            return found
+    raise ValueError(
+        f"cannot tell the format of {url!r} from its extension (.tar, .parquet, .pq); "
+        "pass format='tar' or format='parquet'"
+    )
+
+
+def shard_filesystem(
+    urls: Sequence[str], storage_options: dict[str, Any] | None = None
+) -> tuple[AbstractFileSystem, list[str]]:
+    """The one filesystem of ``urls`` and their paths on it."""
+    fs, _ = url_to_fs(urls[0], **(storage_options or {}))
+    protocol = split_protocol(urls[0])[0]
+    for url in urls:
+        if split_protocol(url)[0] != protocol:
+            raise ValueError(
+                f"all shards must be on one filesystem, got {urls[0]!r} and {url!r}"
+            )
+    return fs, [fs._strip_protocol(url) for url in urls]
