@@ -123,7 +123,10 @@ class EpochOrder:
 
     def sample_ids(self, positions: np.ndarray) -> np.ndarray:
         """Global sample ids at sorted epoch ``positions``."""
-        concat = self.concat_positions(positions)
+        return self.ids_at_concat(self.concat_positions(positions))
+
+    def ids_at_concat(self, concat: np.ndarray) -> np.ndarray:
+        """Global sample ids at concat positions ``concat``."""
         k = self.shard_of(concat)
         return self._shard_starts[self.shard_perm[k]] + (concat - self._concat_starts[k])
 

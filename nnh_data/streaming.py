@@ -1,0 +1,474 @@
+"""``ShardedStreamingDataset``: every sample once per epoch, equal counts per rank, exact resume.
+
+Design. The epoch order and its split are the pure functions of :mod:`nnh_data.order`: shards
+are shuffled, then samples within windows of ``shuffle_window``; the order is cut into one
+contiguous range per rank (``DistributedRangeSplitter``), padded (``uneven="pad"``) or truncated
+(``"drop"``) to one length, then into one contiguous range per DataLoader worker. A worker reads
+the concat range behind its positions sequentially in blocks (:func:`split_shard_range`), one
+block fetched ahead in a thread while the current one is decoded, and emits each window's samples
+in the window's permuted order, with parameters from ``gen_augmentation_params_batch`` computed
+once per window.
+
+Resume. A worker yields a prefix of its range, so what a rank's loader handed out is described
+by one count per worker, and under DDP every rank has the same counts (same step count, same
+layout). The state is ``{"version", "epoch", "seed", "total", "window", "uneven", "base",
+"world_size", "num_workers", "consumed"}``: ``base`` is the list of epoch-position intervals the
+pass walks (the whole epoch unless it was resumed) and ``consumed[k]`` the items worker ``k``
+handed out. Inside a DataLoader worker the dataset only knows its own count (the others are
+``None``); that state resumes the same worker of the same layout, which is exactly what torchdata's
+``StatefulDataLoader`` does with it. A state with every count (``num_workers=0``, or merged with
+:func:`merge_states` / :func:`state_from_loader`) resumes with any world size and worker count:
+the samples left over (:func:`nnh_data.order.remaining`) become the new base, split again.
+Counting happens when a sample is handed to the loader, so prefetched samples are not counted
+by a worker's state until the loader yields the batch that holds them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import IterableDataset, get_worker_info
+
+from nnh_data._validate import check_choice, check_int
+from nnh_data.augment import AugmentationConfig, _rows, gen_augmentation_params_batch
+from nnh_data.order import (
+    UNEVEN,
+    EpochOrder,
+    Intervals,
+    base_size,
+    coalesce,
+    rank_span,
+    remaining,
+    worker_plan,
+)
+from nnh_data.readahead import read_ahead
+from nnh_data.shards import (
+    ShardError,
+    ShardIndex,
+    build_shard_index,
+    decode_shard_range,
+    fetch_shard_range,
+    split_shard_range,
+)
+
+__all__ = ["ShardedStreamingDataset", "dist_info", "merge_states", "state_from_loader"]
+
+STATE_VERSION = 1
+_READ_BYTES = 8 << 20
+_GROUP = 1024  # samples emitted per group without shuffle
+_ON_ERROR = ("raise", "skip")
+_LAYOUT_KEYS = ("version", "epoch", "seed", "total", "window", "uneven", "base", "world_size")
+
+
+def dist_info(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """``(rank, world_size)``: the arguments when given, else torch.distributed when
+    initialised, else the environment (``RANK``, ``WORLD_SIZE``), else ``(0, 1)``."""
+    if world_size is None:
+        if dist.is_available() and dist.is_initialized():
+            world_size = dist.get_world_size()
+        else:
+            world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if rank is None:
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()
+        else:
+            rank = int(os.environ.get("RANK", 0))
+    world_size = check_int("world_size", world_size, low=1)
+    return check_int("rank", rank, low=0, high=world_size - 1), world_size
+
+
+def _worker() -> tuple[int, int]:
+    """``(worker id, number of workers)`` of the DataLoader worker running this code."""
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+@dataclass
+class _Pass:
+    """The layout and progress of the iteration a worker is running."""
+
+    epoch: int
+    base: Intervals
+    world_size: int
+    num_workers: int
+    worker: int
+    consumed: int
+
+
+class ShardedStreamingDataset(IterableDataset):
+    """An ``IterableDataset`` over tar or Parquet shards, split by samples over ranks and workers.
+
+    Each sample is a dict of its fields plus ``__key__``, ``__shard__`` (URL), ``__index__``
+    (global sample id), ``__aug__`` (augmentation parameters keyed by id and epoch) and
+    ``__pad__`` (True for the repeats that make ranks equal). ``source`` is anything
+    :func:`build_shard_index` takes (URLs, a glob, a brace pattern) or a built ``ShardIndex``.
+    ``shuffle_window`` bounds the in-window shuffle (and the decoded samples held in memory);
+    ``readahead`` is the number of read blocks fetched ahead in a thread. With
+    ``on_error="skip"`` unreadable shards and samples are left out, counted in
+    ``error_counts`` (per shard URL, per process) and warned about once per shard; the rank
+    then yields fewer than ``len()`` samples.
+
+    Example:
+        >>> ds = ShardedStreamingDataset("data/train-{000000..000009}.tar")  # doctest: +SKIP
+        >>> loader = torch.utils.data.DataLoader(ds, batch_size=32, num_workers=4)  # doctest: +SKIP
+        >>> for epoch in range(3):  # doctest: +SKIP
+        ...     ds.set_epoch(epoch)
+        ...     for batch in loader: ...
+    """
+
+    def __init__(
+        self,
+        source: str | Sequence[str] | ShardIndex,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        epoch: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        aug_config: AugmentationConfig | None = None,
+        rank_aware_params: bool = False,
+        uneven: str = "pad",
+        on_error: str = "raise",
+        decode: Callable[[dict], Any] | None = None,
+        shuffle_window: int = 1024,
+        readahead: int = 2,
+        format: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        index_path: str | None = None,
+    ) -> None:
+        if isinstance(source, ShardIndex):
+            self.index = source
+        else:
+            self.index = build_shard_index(
+                source, format=format, storage_options=storage_options, index_path=index_path
+            )
+        self.rank, self.world_size = dist_info(rank, world_size)
+        self.seed = check_int("seed", seed, low=0)
+        self.epoch = check_int("epoch", epoch, low=0)
+        self.window = check_int("shuffle_window", shuffle_window, low=1) if shuffle else 0
+        self.readahead = check_int("readahead", readahead, low=0)
+        self.uneven = check_choice("uneven", uneven, UNEVEN)
+        self.on_error = check_choice("on_error", on_error, _ON_ERROR)
+        self.aug_config = aug_config
+        self.rank_aware_params = bool(rank_aware_params)
+        self.decode = decode
+        self.storage_options = storage_options
+        self.error_counts: dict[str, int] = {}
+        self._counts = tuple(info.num_samples for info in self.index.shards)
+        self._order: EpochOrder | None = None
+        self._pending: dict | None = None
+        self._pass: _Pass | None = None
+
+    # ------------------------------------------------------------------ epoch, length, state
+
+    @property
+    def total_samples(self) -> int:
+        """Samples in one epoch over all ranks (pads not counted)."""
+        return self.index.total_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Iterate epoch ``epoch`` next; a new epoch starts from its beginning (a resume state
+        loaded for this same epoch is kept)."""
+        epoch = check_int("epoch", epoch, low=0)
+        if epoch != self.epoch:
+            self.epoch, self._pending, self._pass = epoch, None, None
+
+    def __len__(self) -> int:
+        """Samples this rank yields in the next pass, over all its workers (pads included).
+
+        For a single worker's state (inside StatefulDataLoader workers) this is the length of
+        the whole pass that state belongs to.
+        """
+        state = self._pending
+        if state is not None and None in state["consumed"]:
+            base = [tuple(i) for i in state["base"]]
+        else:
+            base = self._next_base(state)
+        return rank_span(base_size(base), self.world_size, self.rank, self.uneven).length
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe progress of this epoch (see the module docstring)."""
+        if self._pending is not None:
+            return copy.deepcopy(self._pending)
+        run = self._pass
+        if run is None or run.epoch != self.epoch:
+            run = _Pass(self.epoch, [(0, self.total_samples)], self.world_size, 1, 0, 0)
+        consumed: list[int | None] = [None] * run.num_workers
+        consumed[run.worker] = run.consumed
+        return {
+            "version": STATE_VERSION,
+            "epoch": run.epoch,
+            "seed": self.seed,
+            "total": self.total_samples,
+            "window": self.window,
+            "uneven": self.uneven,
+            "base": [list(i) for i in run.base],
+            "world_size": run.world_size,
+            "num_workers": run.num_workers,
+            "consumed": consumed,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from ``state_dict()`` output: the next pass yields the rest of that epoch."""
+        state = _checked_state(state)
+        mine = {"seed": self.seed, "total": self.total_samples, "window": self.window,
+                "uneven": self.uneven}  # fmt: skip
+        for key, value in mine.items():
+            if state[key] != value:
+                raise ValueError(f"state[{key!r}] is {state[key]!r} but this dataset has {value!r}")
+        self.epoch, self._pending, self._pass = state["epoch"], state, None
+
+    def _next_base(self, state: dict | None) -> Intervals:
+        """Positions a pass walks after a state with every worker's count (or from scratch)."""
+        if state is None:
+            return [(0, self.total_samples)]
+        base = [tuple(i) for i in state["base"]]
+        layout = (state["world_size"], state["num_workers"], self.uneven)
+        return remaining(base, *layout, state["consumed"])
+
+    def _start_pass(self, worker: int, num_workers: int) -> _Pass:
+        """The pass of this worker: the pending state (if any) resolved, then forgotten."""
+        state, self._pending = self._pending, None
+        if state is None or None not in state["consumed"]:
+            return _Pass(
+                self.epoch, self._next_base(state), self.world_size, num_workers, worker, 0
+            )
+        layout = (state["world_size"], state["num_workers"])
+        if layout != (self.world_size, num_workers) or state["consumed"][worker] is None:
+            raise ValueError(
+                "this state holds the progress of one DataLoader worker of world_size="
+                f"{layout[0]}, num_workers={layout[1]}; it cannot resume worker {worker} of "
+                f"world_size={self.world_size}, num_workers={num_workers}: merge the workers' "
+                "states with merge_states() or state_from_loader() to change the layout"
+            )
+        base = [tuple(i) for i in state["base"]]
+        consumed = state["consumed"][worker]
+        return _Pass(self.epoch, base, self.world_size, num_workers, worker, consumed)
+
+    # ------------------------------------------------------------------ iteration
+
+    def __iter__(self) -> Iterator[dict]:
+        # Resolved here, not in the generator: StatefulDataLoader snapshots the state right
+        # after iter(), before the first sample is requested.
+        worker, num_workers = _worker()
+        run = self._pass = self._start_pass(worker, num_workers)
+        plan = worker_plan(
+            run.base, run.world_size, self.rank, num_workers, worker, self.uneven, run.consumed
+        )
+        if self._order is None or self._order.epoch != self.epoch:
+            self._order = EpochOrder(self._counts, self.seed, self.epoch, self.window)
+        return self._samples(self._order, run, plan.positions, plan.pads)
+
+    def _samples(self, order: EpochOrder, run: _Pass, positions: Intervals, pads: list[int]):
+        blocks = read_ahead(self._fetch, self._blocks(order, positions), self.readahead)
+        cursor = _Cursor((b[3], self._decoded(b, payload)) for b, payload in blocks)
+        decode = self.decode
+        for group in _groups(positions, self.window or _GROUP):
+            concat = order.concat_positions(group)
+            lo = int(concat.min())
+            buf = cursor.take(lo, int(concat.max()) + 1)
+            picked = itemgetter(*(concat - lo).tolist())(buf) if len(concat) > 1 else (buf[0],)
+            ids = order.ids_at_concat(concat)
+            for sample, gid, aug in zip(picked, ids.tolist(), self._params(ids)):
+                run.consumed += 1
+                if sample is None:
+                    continue
+                sample["__index__"] = gid
+                sample["__aug__"] = aug
+                sample["__pad__"] = False
+                yield sample if decode is None else decode(sample)
+        for position in pads:
+            sample = self._pad(order, position)
+            run.consumed += 1
+            if sample is not None:
+                yield sample if decode is None else decode(sample)
+
+    def _pad(self, order: EpochOrder, position: int) -> dict | None:
+        concat = order.concat_positions(np.array([position]))
+        ((shard, start, stop),) = order.pieces(int(concat[0]), int(concat[0]) + 1)
+        block = (shard, start, stop, int(concat[0]))
+        (sample,) = self._decoded(block, self._fetch(block))
+        if sample is not None:
+            ids = order.ids_at_concat(concat)
+            sample.update(__index__=int(ids[0]), __aug__=next(self._params(ids)), __pad__=True)
+        return sample
+
+    def _params(self, ids: np.ndarray) -> Iterator[dict]:
+        if self.rank_aware_params:
+            where = {"rank": self.rank, "world_size": self.world_size, "rank_aware": True}
+        else:
+            where = {"rank_aware": False}
+        cols = gen_augmentation_params_batch(
+            ids, config=self.aug_config, base_seed=self.seed, epoch=self.epoch, **where
+        )
+        return _rows(cols)
+
+    def _blocks(
+        self, order: EpochOrder, positions: Intervals
+    ) -> Iterator[tuple[int, int, int, int]]:
+        """``(shard, start, stop, concat start)`` read blocks that cover ``positions``: the
+        windows they touch, read in order in pieces of at most ``_READ_BYTES``."""
+        size, total = self.window or 1, self.total_samples
+        spans = coalesce(
+            [(a // size * size, min(-(-b // size) * size, total)) for a, b in positions]
+        )
+        for lo, hi in spans:
+            for shard, start, stop in order.pieces(lo, hi):
+                info = self.index.shards[shard]
+                for a, b in split_shard_range(info, start, stop, max_bytes=_READ_BYTES):
+                    yield shard, a, b, lo + (a - start)
+                lo += stop - start
+
+    def _fetch(self, block: tuple[int, int, int, int]) -> object:
+        """Read one block; a ``ShardError`` is returned, to be handled where it is decoded."""
+        shard, start, stop, _ = block
+        try:
+            info = self.index.shards[shard]
+            return fetch_shard_range(info, start, stop, storage_options=self.storage_options)
+        except ShardError as exc:
+            return exc
+
+    def _decoded(self, block: tuple[int, int, int, int], payload: object) -> list[dict | None]:
+        """The samples of a block (``None`` for those skipped as unreadable), ``__shard__`` set."""
+        shard, start, stop, _ = block
+        info = self.index.shards[shard]
+        samples: list[dict | None] = []
+        try:
+            if isinstance(payload, ShardError):
+                raise payload
+            samples.extend(decode_shard_range(info, payload, start, stop))
+        except ShardError as exc:
+            self._skip(info.url, exc, stop - start - len(samples))
+        for sample in samples:
+            sample["__shard__"] = info.url
+        samples.extend([None] * (stop - start - len(samples)))
+        return samples
+
+    def _skip(self, url: str, exc: ShardError, count: int) -> None:
+        if self.on_error == "raise":
+            raise exc
+        if url not in self.error_counts:
+            warnings.warn(f"skipping unreadable samples: {exc}", stacklevel=2)
+        self.error_counts[url] = self.error_counts.get(url, 0) + count
+
+
+def _groups(positions: Intervals, size: int) -> Iterator[np.ndarray]:
+    """Sorted ``positions`` cut at multiples of ``size``: one array per window they touch."""
+    pending: list[np.ndarray] = []
+    window = -1
+    for a, b in positions:
+        while a < b:
+            w = a // size
+            end = min(b, (w + 1) * size)
+            if w != window and pending:
+                yield np.concatenate(pending)
+                pending = []
+            window = w
+            pending.append(np.arange(a, end, dtype=np.int64))
+            a = end
+    if pending:
+        yield np.concatenate(pending)
+
+
+class _Cursor:
+    """The samples of a stream of ``(concat start, samples)`` blocks, taken by increasing
+    concat ranges; blocks before a range are dropped."""
+
+    def __init__(self, blocks: Iterator[tuple[int, list]]) -> None:
+        self._blocks = blocks
+        self._lo = 0
+        self._samples: list = []
+
+    def take(self, lo: int, hi: int) -> list:
+        out: list = []
+        while lo < hi:
+            if lo >= self._lo + len(self._samples):
+                self._lo, self._samples = next(self._blocks)
+                continue
+            assert lo >= self._lo, "read blocks must follow the windows in order"
+            piece = self._samples[lo - self._lo : hi - self._lo]
+            out = out + piece if out else piece
+            lo += len(piece)
+        return out
+
+
+def _checked_state(state: Mapping[str, Any]) -> dict:
+    """A deep copy of ``state`` after checking its shape (ValueError naming what is wrong)."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state must be a dict from state_dict(), got {type(state).__name__}")
+    missing = [k for k in (*_LAYOUT_KEYS, "num_workers", "consumed") if k not in state]
+    if missing:
+        raise ValueError(f"state must hold the keys of state_dict(); missing {missing}")
+    if state["version"] != STATE_VERSION:
+        raise ValueError(f"state['version'] must be {STATE_VERSION}, got {state['version']!r}")
+    state = copy.deepcopy(dict(state))
+    num_workers = check_int("state['num_workers']", state["num_workers"], low=1)
+    consumed = state["consumed"]
+    if (
+        not isinstance(consumed, list)
+        or len(consumed) != num_workers
+        or consumed == [None] * num_workers
+    ):
+        raise ValueError(
+            f"state['consumed'] must be a list of {num_workers} counts (None for unknown ones, "
+            f"not all), got {consumed!r}"
+        )
+    return state
+
+
+def merge_states(states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """One state with every worker's count, from the states of one rank's DataLoader workers.
+
+    Load it into a new dataset to resume with another world size or number of workers.
+
+    Example:
+        >>> a = {"version": 1, "epoch": 0, "seed": 0, "total": 8, "window": 4, "uneven": "pad",
+        ...      "base": [[0, 8]], "world_size": 1, "num_workers": 2, "consumed": [3, None]}
+        >>> merge_states([a, {**a, "consumed": [None, 1]}])["consumed"]
+        [3, 1]
+    """
+    checked = [_checked_state(s) for s in states]
+    if not checked:
+        raise ValueError("states must hold at least one state, got none")
+    merged = checked[0]
+    for other in checked[1:]:
+        for key in (*_LAYOUT_KEYS, "num_workers"):
+            if other[key] != merged[key]:
+                raise ValueError(f"states differ in {key!r}: {merged[key]!r} vs {other[key]!r}")
+        for k, count in enumerate(other["consumed"]):
+            if count is not None and merged["consumed"][k] not in (None, count):
+                raise ValueError(
+                    f"states disagree on worker {k}: {merged['consumed'][k]} vs {count}"
+                )
+            merged["consumed"][k] = count if count is not None else merged["consumed"][k]
+    missing = [k for k, count in enumerate(merged["consumed"]) if count is None]
+    if missing:
+        raise ValueError(f"states must cover every worker; no count for workers {missing}")
+    return merged
+
+
+def state_from_loader(loader_state: Mapping[str, Any]) -> dict[str, Any]:
+    """The dataset state inside a torchdata ``StatefulDataLoader.state_dict()``, its workers
+    merged (see :func:`merge_states`).
+
+    Example:
+        >>> state = state_from_loader(loader.state_dict())  # doctest: +SKIP
+        >>> new_ds.load_state_dict(state)  # any world size / num_workers  # doctest: +SKIP
+    """
+    if "_snapshot" not in loader_state:  # num_workers=0
+        return merge_states([loader_state["dataset_state"]])
+    if loader_state["_steps_since_snapshot"]:
+        raise ValueError(
+            "loader_state was taken between snapshots; create the StatefulDataLoader with "
+            "snapshot_every_n_steps=1 (the default)"
+        )
+    workers = loader_state["_snapshot"]["_worker_snapshots"].values()
+    return merge_states(w["dataset_state"] for w in workers)
