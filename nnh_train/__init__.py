@@ -1,3 +1,43 @@
-"""nnh_train: DDP plumbing and a minimal trainer."""
+"""nnh_train: DDP plumbing and a minimal trainer.
 
-__all__: list[str] = []
+The same script runs under ``python``, ``torchrun`` and ``srun``, on CPU (gloo) or GPU (nccl), and
+an error on one rank stops every rank with the real cause instead of a collective timeout.
+"""
+
+from nnh_train._outcome import RankError
+from nnh_train.dd_helpers import (
+    aggregate_loss,
+    aggregate_metrics,
+    broadcast_data,
+    broadcast_if_ddp,
+    gather_to_rank0,
+)
+from nnh_train.ddp_decorators import (
+    ParallelExecutor,
+    WorkerError,
+    on_rank,
+    parallel_on_all_devices,
+    parallelize_on_gpus,
+)
+from nnh_train.ddp_init import DEFAULT_TIMEOUT, DistInfo, get_dist_info, initialize_ddp
+from nnh_train.slurm import expand_slurm_nodelist, expand_tasks_per_node
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "DistInfo",
+    "ParallelExecutor",
+    "RankError",
+    "WorkerError",
+    "aggregate_loss",
+    "aggregate_metrics",
+    "broadcast_data",
+    "broadcast_if_ddp",
+    "expand_slurm_nodelist",
+    "expand_tasks_per_node",
+    "gather_to_rank0",
+    "get_dist_info",
+    "initialize_ddp",
+    "on_rank",
+    "parallel_on_all_devices",
+    "parallelize_on_gpus",
+]
