@@ -162,7 +162,7 @@ def _geometry(
     """Rotate and scale the images that move; a fresh ``dtype`` tensor in every case."""
     rotation, scale = cols["rotation"], cols["scale"]
     moved = ((rotation != 0) | (scale != 1)).nonzero().flatten()
-    if len(moved) == len(rotation):
+    if 0 < len(moved) == len(rotation):
         return _warp(batch.to(dtype), rotation, scale, padding_mode)
     x = batch.to(dtype, copy=True)
     if len(moved):  # resample only these, so identity rows stay exact

@@ -84,6 +84,18 @@ def test_identity_returns_input():
     assert (apply_augmentation(f, params(3)) - f).abs().max() <= 1e-6
 
 
+def test_layouts_dtypes_and_empty_batches():
+    x = torch.rand(4, 3, 16, 16)
+    p = gen_augmentation_params_batch(np.arange(4))
+    out = apply_augmentation(x, p)
+    assert torch.equal(apply_augmentation(x.to(memory_format=torch.channels_last), p), out)
+    for dtype in (torch.float16, torch.float64):
+        other = apply_augmentation(x.to(dtype), p)
+        assert other.dtype == dtype and (other.float() - out).abs().max() < 1e-3
+    empty = gen_augmentation_params_batch(np.arange(0))
+    assert apply_augmentation(torch.zeros(0, 3, 8, 8), empty).shape == (0, 3, 8, 8)
+
+
 def test_identity_rows_stay_exact_in_a_moving_batch():
     f = torch.rand(3, 3, 9, 11)
     p = params(3)

@@ -34,9 +34,9 @@ def best_rate(fn, count: int, repeats: int, device: torch.device) -> float:
 
 
 def measure(device: torch.device, batch: int, size: int, repeats: int) -> dict[str, float]:
-    gen = torch.Generator(device).manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=gen)
-    images = images.to(device)
+    images, gen = images.to(device), torch.Generator(device).manual_seed(0)
     cols = gen_augmentation_params_batch(np.arange(batch), rank_aware=False)
     rows = [{k: v[i] for k, v in cols.items()} for i in range(batch)]
     batched = best_rate(lambda: apply_augmentation(images, cols), batch, repeats, device)
