@@ -1,0 +1,250 @@
+"""ShardedStreamingDataset: exactly once, equal per rank, order, fields, errors, S3.
+
+Ranks are simulated in one process (explicit rank/world_size). The full grid of world sizes x
+worker counts runs workers in-process through the one place that discovers them
+(``streaming.get_worker_info``); a subset runs real DataLoader workers and must agree with it.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import webdataset as wds
+from torch.utils.data import DataLoader
+
+import nnh_data.streaming as streaming
+from nnh_data.augment import gen_augmentation_params, gen_distributed_augmentation_params
+from nnh_data.shards import ShardError, build_shard_index
+from nnh_data.streaming import ShardedStreamingDataset, dist_info
+
+LAYOUTS = {"uneven": [7, 1, 12, 3], "empty": [5, 0, 6, 0, 0], "one": [9], "few": [4, 3]}
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+
+@pytest.fixture
+def shards(tar_shards, parquet_shards):
+    """``make(format, counts) -> urls`` for the shared fixtures."""
+
+    def make(fmt: str, counts: list[int]) -> list[str]:
+        return tar_shards(counts) if fmt == "tar" else parquet_shards(counts, row_group_size=3)
+
+    return make
+
+
+def _value(sample: dict) -> int:
+    """The global id the fixtures wrote into the sample."""
+    return int(sample["cls"]) if "cls" in sample else sample["id"]
+
+
+def _simulated(ds: ShardedStreamingDataset, workers: int, monkeypatch) -> list[dict]:
+    """What a DataLoader with ``workers`` workers yields, workers run one after the other."""
+    if workers == 0:
+        return list(ds)
+    out = []
+    for k in range(workers):
+        info = types.SimpleNamespace(id=k, num_workers=workers)
+        with monkeypatch.context() as patch:
+            patch.setattr(streaming, "get_worker_info", lambda info=info: info)
+            out += list(ds)
+    return out
+
+
+def _check_epoch(per_rank: list[list[dict]], total: int, lengths: list[int]) -> None:
+    """Equal counts equal to len(), every sample once, pads flagged, fields match ids."""
+    assert {len(samples) for samples in per_rank} == {lengths[0]} and len(set(lengths)) == 1
+    real = [s["__index__"] for samples in per_rank for s in samples if not s["__pad__"]]
+    assert sorted(real) == list(range(total)), Counter(real).most_common(3)
+    for samples in per_rank:
+        for s in samples:
+            assert _value(s) == s["__index__"] == s["__aug__"]["sample_id"]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "parquet"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_sample_once_equal_per_rank(fmt, layout, shards, monkeypatch):
+    urls = shards(fmt, LAYOUTS[layout])
+    index = build_shard_index(urls)
+    for world in range(1, 6):
+        for workers in range(4):
+            datasets = [
+                ShardedStreamingDataset(index, rank=r, world_size=world, seed=3, shuffle_window=4)
+                for r in range(world)
+            ]
+            per_rank = [_simulated(ds, workers, monkeypatch) for ds in datasets]
+            _check_epoch(per_rank, index.total_samples, [len(ds) for ds in datasets])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("fmt", "layout", "world", "workers"),
+    [
+        ("tar", "uneven", 2, 3),
+        ("tar", "few", 3, 2),
+        ("parquet", "empty", 2, 2),
+        ("parquet", "one", 1, 3),
+    ],
+)
+def test_real_workers_match_the_simulation(fmt, layout, world, workers, shards, monkeypatch):
+    index = build_shard_index(shards(fmt, LAYOUTS[layout]))
+    per_rank = []
+    for r in range(world):
+        ds = ShardedStreamingDataset(index, rank=r, world_size=world, seed=5, shuffle_window=4)
+        real = list(DataLoader(ds, batch_size=None, num_workers=workers))
+        assert Counter(s["__index__"] for s in real) == Counter(
+            s["__index__"] for s in _simulated(ds, workers, monkeypatch)
+        )
+        per_rank.append(real)
+    _check_epoch(per_rank, index.total_samples, [len(per_rank[0])] * world)
+
+
+def test_drop_truncates_every_rank_to_the_shortest(tar_shards):
+    index = build_shard_index(tar_shards([10]))
+    per_rank = [
+        list(ShardedStreamingDataset(index, rank=r, world_size=3, uneven="drop")) for r in range(3)
+    ]
+    assert [len(s) for s in per_rank] == [3, 3, 3]
+    ids = [s["__index__"] for samples in per_rank for s in samples]
+    assert len(set(ids)) == 9 and not any(s["__pad__"] for samples in per_rank for s in samples)
+
+
+def test_pads_repeat_samples_with_their_parameters(tar_shards):
+    index = build_shard_index(tar_shards([5]))
+    last = list(ShardedStreamingDataset(index, rank=2, world_size=3, seed=1))
+    assert [s["__pad__"] for s in last] == [False, True]
+    pad = last[-1]
+    assert pad["__aug__"] == gen_augmentation_params(pad["__index__"], base_seed=1, epoch=0)
+
+
+@pytest.mark.parametrize("fmt", ["tar", "parquet"])
+def test_order_is_deterministic_and_changes_with_epoch_and_seed(fmt, shards):
+    index = build_shard_index(shards(fmt, [30, 25, 40]))
+
+    def order(**kw):
+        return [s["__index__"] for s in ShardedStreamingDataset(index, shuffle_window=8, **kw)]
+
+    first = order(seed=1)
+    assert first == order(seed=1) and sorted(first) == list(range(95))
+    assert first != order(seed=1, epoch=1) and first != order(seed=2)
+    assert order(shuffle=False) == list(range(95))
+    ds = ShardedStreamingDataset(index, seed=1, shuffle_window=8)
+    ds.set_epoch(1)
+    assert [s["__index__"] for s in ds] == order(seed=1, epoch=1)
+
+
+def test_windows_keep_reads_local(tar_shards):
+    """Consecutive samples come from at most a couple of shards per window."""
+    index = build_shard_index(tar_shards([20] * 10))
+    urls = [s["__shard__"] for s in ShardedStreamingDataset(index, seed=4, shuffle_window=10)]
+    windows = [set(urls[i : i + 10]) for i in range(0, 200, 10)]
+    assert max(len(w) for w in windows) <= 2 and len(set(urls)) == 10
+
+
+def test_sample_fields(tar_shards):
+    urls = tar_shards([4, 4])
+    aug = ShardedStreamingDataset(urls, seed=7, epoch=2)
+    for s in aug:
+        g = s["__index__"]
+        assert s["__key__"] == f"{g:08d}" and s["__shard__"] == urls[g // 4]
+        assert s["__aug__"] == gen_augmentation_params(g, base_seed=7, epoch=2)
+    ranked = ShardedStreamingDataset(urls, seed=7, rank=1, world_size=2, rank_aware_params=True)
+    for s in ranked:
+        expected = gen_distributed_augmentation_params(s["__index__"], 1, None, 7, 2, 0)
+        assert s["__aug__"] == expected
+
+
+def test_decode_is_applied_to_every_sample(tar_shards):
+    ds = ShardedStreamingDataset(tar_shards([3, 2]), decode=lambda s: (s["__index__"], s["cls"]))
+    assert sorted(ds) == [(g, str(g).encode()) for g in range(5)]
+
+
+def test_webdataset_shardwriter_and_pyarrow_interop(tmp_path):
+    with wds.ShardWriter(str(tmp_path / "w-%04d.tar"), maxcount=6, verbose=0) as sink:
+        for g in range(15):
+            sink.write({"__key__": f"s{g:03d}", "seg.png": b"p%d" % g, "json": b"{}"})
+    samples = list(ShardedStreamingDataset(str(tmp_path / "w-*.tar"), shuffle=False))
+    assert [s["__key__"] for s in samples] == [f"s{g:03d}" for g in range(15)]
+    assert samples[4]["seg.png"] == b"p4" and samples[4]["json"] == b"{}"
+    table = pa.table({"x": list(range(10)), "name": [f"n{i}" for i in range(10)]})
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=4)
+    rows = list(ShardedStreamingDataset(str(tmp_path / "t.parquet"), shuffle=False))
+    assert [(r["x"], r["name"]) for r in rows] == [(i, f"n{i}") for i in range(10)]
+
+
+def _truncate(path: str, keep: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+
+
+def test_corrupt_tar_raises_with_the_shard_and_position(tar_shards):
+    urls = tar_shards([4, 4])
+    index = build_shard_index(urls)
+    _truncate(urls[1], os.path.getsize(urls[1]) // 2)
+    with pytest.raises(ShardError, match=r"shard-000001\.tar.*\(at sample \d+, byte \d+\)"):
+        list(ShardedStreamingDataset(index, shuffle=False))
+
+
+def test_skip_counts_and_warns_once_per_shard(tar_shards, parquet_shards):
+    urls = tar_shards([4, 4, 4])
+    index = build_shard_index(urls)
+    _truncate(urls[1], 512 * 5)
+    ds = ShardedStreamingDataset(index, shuffle=False, on_error="skip")
+    with pytest.warns(UserWarning, match="shard-000001") as caught:
+        ids = [s["__index__"] for s in ds]
+    assert len(caught) == 1 and ds.error_counts == {urls[1]: 4}
+    assert ids == [0, 1, 2, 3, 8, 9, 10, 11]
+    pq_urls = parquet_shards([6, 6])
+    pq_index = build_shard_index(pq_urls)
+    _truncate(pq_urls[0], 20)
+    ds = ShardedStreamingDataset(pq_index, shuffle=False, on_error="skip")
+    with pytest.warns(UserWarning, match="part-000000"):
+        assert [s["__index__"] for s in ds] == list(range(6, 12))
+    assert ds.error_counts == {pq_urls[0]: 6}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"uneven": "even"}, "uneven must be one of 'pad', 'drop', got 'even'"),
+        ({"on_error": "ignore"}, "on_error must be one of 'raise', 'skip', got 'ignore'"),
+        ({"rank": 2, "world_size": 2}, r"rank must be in \[0, 1\], got 2"),
+        ({"shuffle_window": 0}, r"shuffle_window must be in \[1, inf\), got 0"),
+        ({"seed": -1}, r"seed must be in \[0, inf\), got -1"),
+    ],
+)
+def test_arguments_are_validated(tar_shards, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ShardedStreamingDataset(tar_shards([2]), **kwargs)
+
+
+def test_dist_info_prefers_arguments_then_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert dist_info() == (3, 4)
+    assert dist_info(rank=1, world_size=2) == (1, 2)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert dist_info() == (0, 1)
+
+
+@pytest.mark.timeout(120)
+def test_reads_from_s3_through_moto(moto_s3, tar_shards):
+    import s3fs
+
+    bucket = moto_s3.bucket("streaming-test")
+    fs = s3fs.S3FileSystem(**moto_s3.storage_options, skip_instance_cache=True)
+    for url in tar_shards([5, 7, 3]):
+        fs.put(url, f"{bucket}/data/{os.path.basename(url)}")
+    source = f"{bucket}/data/shard-{{000000..000002}}.tar"
+    options = moto_s3.storage_options
+    per_rank = [
+        list(ShardedStreamingDataset(source, rank=r, world_size=2, storage_options=options))
+        for r in range(2)
+    ]
+    _check_epoch(per_rank, 15, [8, 8])
+    assert per_rank[0][0]["__shard__"].startswith("s3://streaming-test/data/")
+    assert all(s["bin"][:8] == s["__index__"].to_bytes(8, "little") for s in per_rank[1])
