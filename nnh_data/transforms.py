@@ -6,7 +6,8 @@ batched pass (no Python loop over samples), in this order, for each image ``x`` 
 1. Geometry: rotation (degrees, counter-clockwise on screen, about the image centre) and scale
    (``> 1`` zooms in) as one affine resampling, ``affine_grid`` + ``grid_sample`` (bilinear,
    ``align_corners=False``, ``padding_mode`` "zeros" by default). Rotation is done in pixel
-   units, so non-square images are not sheared. Skipped when every sample has rotation 0, scale 1.
+   units, so non-square images are not sheared. Images with rotation 0 and scale 1 are not
+   resampled, so they stay exact.
 2. Brightness: ``x = brightness * x``.
 3. Contrast: ``x = contrast * x + (1 - contrast) * mean(x)``, the mean over all channels and
    pixels of the image after steps 1-2.
@@ -90,7 +91,8 @@ def apply_augmentation(
         >>> apply_augmentation(images, gen_augmentation_params_batch(range(4))).shape
         torch.Size([4, 3, 32, 32])
     """
-    padding_mode, low, high = _check_options(padding_mode, value_range, images.dtype)
+    check_choice("padding_mode", padding_mode, PADDING_MODES)
+    low, high = _value_range(value_range, images.dtype)
     if images.dim() not in (3, 4):
         raise ValueError(f"images must be (N, C, H, W) or (C, H, W), got {tuple(images.shape)}")
     batch = images if images.dim() == 4 else images.unsqueeze(0)
@@ -106,20 +108,19 @@ def apply_augmentation(
     return out if images.dim() == 4 else out.squeeze(0)
 
 
-def _check_options(
-    padding_mode: str, value_range: tuple[float, float] | None, dtype: torch.dtype
-) -> tuple[str, float, float]:
-    """Validated ``(padding_mode, low, high)``, the range defaulted from ``dtype``."""
-    check_choice("padding_mode", padding_mode, PADDING_MODES)
+def _value_range(
+    value_range: tuple[float, float] | None, dtype: torch.dtype
+) -> tuple[float, float]:
+    """Validated ``(low, high)`` of the pixel values, defaulted from ``dtype``."""
     if dtype != torch.uint8 and not dtype.is_floating_point:
         raise ValueError(f"images must be uint8 or floating point, got {dtype}")
     if value_range is None:
-        return (padding_mode, 0.0, 255.0) if dtype == torch.uint8 else (padding_mode, 0.0, 1.0)
+        return (0.0, 255.0) if dtype == torch.uint8 else (0.0, 1.0)
     low, high = check_pair("value_range", value_range)
     if low == high or dtype == torch.uint8 and (low < 0 or high > 255):
         rule = "low < high, within [0, 255] for uint8"
         raise ValueError(f"value_range must have {rule}, got {value_range!r}")
-    return padding_mode, low, high
+    return low, high
 
 
 def _param_columns(params: Any, n: int) -> dict[str, Tensor]:
