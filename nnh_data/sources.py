@@ -73,7 +73,5 @@ def shard_filesystem(
     protocol = split_protocol(urls[0])[0]
     for url in urls:
         if split_protocol(url)[0] != protocol:
-            raise ValueError(
-                f"all shards must be on one filesystem, got {urls[0]!r} and {url!r}"
-            )
+            raise ValueError(f"all shards must be on one filesystem, got {urls[0]!r} and {url!r}")
     return fs, [fs._strip_protocol(url) for url in urls]

@@ -24,14 +24,14 @@ import numpy as np
 
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
-# name, size, chksum, typeflag, magic, prefix: the ustar fields a reader needs.
-_HEADER = struct.Struct("100s24x12s12x8sc100x6s82x155s")
+# name, size, typeflag: the ustar fields read for every member (the ustar prefix only where it is
+# set; checksums are verified separately, for a whole block at once).
+_HEADER = struct.Struct("100s24x12s20xc")
 _REGULAR = (b"0", b"\0", b"7")
 _SKIPPED = (b"1", b"2", b"3", b"4", b"5", b"6", b"K", b"V", b"M", b"N")
 _USTAR = b"ustar\0"
 _META = re.compile(r"__[^/]*__($|/)")
 _WDS_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
-_ARANGE = np.arange(BLOCK)
 
 
 class TarFormatError(ValueError):
@@ -46,14 +46,9 @@ class TarFormatError(ValueError):
         return f"{self.reason} at byte {self.offset}"
 
 
-class Member(NamedTuple):
-    """A regular member that belongs to a sample."""
-
-    start: int  # first byte of its headers (extended headers included)
-    key: str
-    field: str
-    data: int  # first byte of its data
-    size: int
+# A regular member that belongs to a sample: (start of its headers, extended headers included;
+# key; field; start of its data; data size).
+Member = tuple[int, str, str, int, int]
 
 
 class Parsed(NamedTuple):
@@ -105,68 +100,78 @@ def _parse(buf, pos, limit, need_data, members, heads) -> tuple[int, bool]:
     """The tight loop of :func:`parse_members`; appends to ``members`` and ``heads``."""
     unpack = _HEADER.unpack_from
     append = members.append
+    add_head = heads.append
     end = len(buf)
     start = pos
-    long_path = None
-    long_size = None
+    long_path = long_size = None
     while pos < limit:
         if pos + BLOCK > end:
             return start, False
-        name, size_field, _, kind, magic, prefix = unpack(buf, pos)
+        name, size_field, kind = unpack(buf, pos)
         if not name[0] and buf[pos : pos + BLOCK] == ZERO_BLOCK:
             return pos, True
-        heads.append(pos)
-        size = _number(size_field) if long_size is None else long_size
+        add_head(pos)
+        try:
+            size = int(size_field.rstrip(b"\0"), 8)
+        except ValueError:
+            size = _number(size_field)
+        if long_size is not None:
+            size = long_size
         data = pos + BLOCK
-        after = data + ((size + 511) & ~511)
+        pos = data + ((size + 511) & -512)
         if kind in _REGULAR:
             if need_data and data + size > end:
                 return start, False
-            path = long_path if long_path is not None else _ustar_path(name, magic, prefix)
-            if path[:2] != "__" or not _META.match(path):
+            if long_path is None:
+                cut = name.find(b"\0")
+                path = (name[:cut] if cut >= 0 else name).decode("utf-8", "surrogateescape")
+                if buf[data - 167] and buf[data - 255 : data - 249] == _USTAR:  # prefix, magic
+                    path = _ustar_prefix(buf, data - BLOCK) + path
+            else:
+                path = long_path
+            slash = path.rfind("/")
+            dot = path.find(".", slash + 1)
+            if dot > slash + 1 and path[:2] != "__":
+                append((start, path[:dot], path[dot + 1 :].lower(), data, size))
+            elif not _META.match(path):
                 key, field = split_name(path)
                 if key is not None:
-                    append(Member(start, key, field, data, size))
+                    append((start, key, field, data, size))
         elif kind == b"x" or kind == b"L":
             if data + size > end:
                 return start, False
+            records = buf[data : data + size]
             if kind == b"L":
-                long_path = _text(buf[data : data + size].rstrip(b"\0"))
-            else:
-                long_path, long_size = _pax(buf[data : data + size], long_path, long_size)
-            pos = after
-            continue
+                long_path = _text(records.rstrip(b"\0"))
+            elif b"path=" in records or b"size=" in records:
+                long_path, long_size = _pax(records, long_path, long_size)
+            continue  # the extended header belongs to the next member
         elif kind != b"g" and kind not in _SKIPPED:
             raise TarFormatError(pos, f"unsupported tar member type {kind!r}")
-        pos = start = after
+        start = pos
         long_path = long_size = None
     return pos, False
 
 
 def _number(field: bytes) -> int:
-    """An octal (or GNU base-256) numeric header field."""
-    if field[0] & 0x80:
+    """A numeric header field in GNU base-256 or octal that ``int`` cannot parse directly."""
+    try:
         return tarfile.nti(field)
-    return int(field.rstrip(b"\0") or b"0", 8)
+    except tarfile.InvalidHeaderError as exc:
+        raise ValueError(f"bad number {field!r}") from exc
 
 
 def _text(raw: bytes) -> str:
     return raw.decode("utf-8", "surrogateescape")
 
 
-def _ustar_path(name: bytes, magic: bytes, prefix: bytes) -> str:
-    cut = name.find(b"\0")
-    if cut >= 0:
-        name = name[:cut]
-    if magic == _USTAR and prefix[0]:
-        return _text(prefix.rstrip(b"\0") + b"/" + name)
-    return _text(name)
+def _ustar_prefix(buf: bytes, head: int) -> str:
+    """The ustar prefix of the header at ``head``, with its "/" separator."""
+    return _text(buf[head + 345 : head + 500].split(b"\0", 1)[0]) + "/"
 
 
 def _pax(records: bytes, path: str | None, size: int | None) -> tuple[str | None, int | None]:
     """Apply the ``path`` and ``size`` records of a PAX extended header; others are ignored."""
-    if b"path=" not in records and b"size=" not in records:
-        return path, size  # the common case: webdataset's per-member fractional mtime
     pos = 0
     while pos < len(records) and records[pos] != 0:
         space = records.index(b" ", pos)
@@ -181,18 +186,17 @@ def _pax(records: bytes, path: str | None, size: int | None) -> tuple[str | None
 
 
 def check_checksums(buf: bytes, heads: list[int]) -> None:
-    """Verify the checksums of the headers at ``heads`` in one vectorised pass."""
+    """Verify the checksums of the headers at ``heads`` (512-byte aligned) in one pass."""
     if not heads:
         return
-    blocks = np.frombuffer(buf, np.uint8)[np.asarray(heads)[:, None] + _ARANGE]
-    field = blocks[:, 148:156]
-    computed = blocks.sum(1, dtype=np.int64) - field.sum(1, dtype=np.int64) + 8 * 32
-    bad = np.flatnonzero(computed != _octal_columns(field))
-    for row in bad:  # rare: some writers sum signed bytes
-        signed = blocks[row].view(np.int8)
-        if signed.sum(dtype=np.int64) - signed[148:156].sum() + 256 != _octal_columns(
-            field[row : row + 1]
-        )[0]:
+    blocks = np.frombuffer(buf, np.uint8, count=len(buf) // BLOCK * BLOCK).reshape(-1, BLOCK)
+    rows = blocks.take(np.asarray(heads) >> 9, axis=0)
+    field = rows[:, 148:156]
+    computed = rows.sum(1, dtype=np.uint32).astype(np.int64) - field.sum(1, dtype=np.int64) + 256
+    for row in np.flatnonzero(computed != _octal_columns(field)):
+        block = rows[row].view(np.int8)  # some writers sum signed bytes
+        signed = block.sum(dtype=np.int64) - block[148:156].sum(dtype=np.int64) + 8 * 32
+        if signed != _octal_columns(field[row : row + 1])[0]:
             raise TarFormatError(heads[row], "bad tar header checksum")
 
 
@@ -209,15 +213,15 @@ def iter_samples(buf: bytes, members: list[Member]) -> Iterator[dict]:
     """Group ``members`` of ``buf`` into samples: ``{"__key__": key, field: bytes, ...}``."""
     sample: dict = {}
     key = None
-    for member in members:
-        if member.key != key:
+    for start, member_key, field, data, size in members:
+        if member_key != key:
             if key is not None:
                 yield sample
-            key = member.key
+            key = member_key
             sample = {"__key__": key}
-        elif member.field in sample:
-            raise TarFormatError(member.start, f"duplicate field {member.field!r} in {key!r}")
-        sample[member.field] = buf[member.data : member.data + member.size]
+        elif field in sample:
+            raise TarFormatError(start, f"duplicate field {field!r} in {key!r}")
+        sample[field] = buf[data : data + size]
     if key is not None:
         yield sample
 
@@ -228,8 +232,8 @@ def sample_starts(members: list[Member], key: str | None) -> tuple[list[int], st
     Returns the offsets and the key of the last member, to carry across blocks.
     """
     starts = []
-    for member in members:
-        if member.key != key:
-            starts.append(member.start)
-            key = member.key
+    for start, member_key, _, _, _ in members:
+        if member_key != key:
+            starts.append(start)
+            key = member_key
     return starts, key

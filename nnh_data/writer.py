@@ -1,0 +1,208 @@
+"""Write samples as WebDataset tar shards, with their index.
+
+Members are plain ustar (mtime 0, a PAX header only where a long or non-ASCII name or a huge
+size needs one), so readers parse half the bytes of ``webdataset.ShardWriter``'s default
+output (a PAX header per member). The layout is webdataset's: ``key.field`` members, fields in
+sorted order, samples one after another. Each shard is written under a temporary name and
+renamed when complete; the index sidecar is written at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import pyarrow.parquet as pq
+from fsspec.core import url_to_fs
+from webdataset.writer import make_encoder
+
+from nnh_data._validate import check_int
+from nnh_data.shard_index import (
+    ShardIndex,
+    ShardInfo,
+    default_index_path,
+    load_entries,
+    save_entries,
+    updated_entries,
+)
+from nnh_data.sources import expand_sources
+from nnh_data.tar_format import BLOCK, split_name
+
+_END = bytes(2 * BLOCK)
+
+
+def write_shards(
+    samples: Iterable[dict],
+    pattern: str,
+    *,
+    max_count: int = 100_000,
+    max_bytes: int = 3_000_000_000,
+    start_shard: int = 0,
+    encoder: bool | dict | Callable = True,
+    storage_options: dict[str, Any] | None = None,
+    index_path: str | None = None,
+) -> ShardIndex:
+    """Write ``samples`` to tar shards named ``pattern % shard_number`` and index them.
+
+    Each sample is a dict with ``__key__`` and one value per field; values are encoded like
+    ``webdataset.TarWriter`` does (``encoder``: True for its default, by extension: bytes and
+    str as they are, "cls" ints as text, "json" as JSON, ...; False for none; a dict or a
+    callable). Keys starting with "_" are metadata and are not written. A shard holds at most
+    ``max_count`` samples and ``max_bytes`` bytes (unless one sample alone is larger).
+
+    >>> samples = ({"__key__": f"{i:06d}", "txt": f"sample {i}"} for i in range(10))
+    >>> index = write_shards(samples, "out/train-%06d.tar", max_count=4)  # doctest: +SKIP
+    >>> [info.num_samples for info in index.shards]  # doctest: +SKIP
+    [4, 4, 2]
+    """
+    check_int("max_count", max_count, low=1)
+    check_int("max_bytes", max_bytes, low=BLOCK)
+    check_int("start_shard", start_shard, low=0)
+    _check_pattern(pattern)
+    encode = make_encoder(encoder)
+    fs, _ = url_to_fs(pattern % start_shard, **(storage_options or {}))
+    infos: list[ShardInfo] = []
+    shard: _ShardFile | None = None
+    previous_key = None
+    try:
+        for sample in samples:
+            key, data = _encode_sample(encode(sample), previous_key)
+            previous_key = key
+            if shard is not None and (
+                shard.count == max_count or shard.size + len(data) + len(_END) > max_bytes
+            ):
+                infos.append(shard.close())
+                shard = None
+            if shard is None:
+                shard = _ShardFile(fs, pattern % (start_shard + len(infos)))
+            shard.add(data)
+    except BaseException:
+        if shard is not None:
+            shard.abort()  # leave no partial shard behind
+        raise
+    if shard is not None:
+        infos.append(shard.close())
+    if not infos:
+        return ShardIndex(())
+    index_path = index_path or default_index_path([info.url for info in infos])
+    entries = updated_entries(load_entries(index_path, storage_options), infos, index_path)
+    save_entries(index_path, entries, storage_options)
+    return ShardIndex(tuple(infos), index_path)
+
+
+def _check_pattern(pattern: str) -> None:
+    try:
+        numbered = pattern % 0 != pattern % 1
+    except TypeError:
+        numbered = False
+    if not numbered:
+        raise ValueError(f"pattern must hold one shard number field like %06d, got {pattern!r}")
+
+
+def _encode_sample(sample: dict, previous_key: str | None) -> tuple[str, bytes]:
+    """One sample's members as tar bytes; checks that a reader will see the same sample."""
+    key = sample.get("__key__")
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"each sample needs a non-empty str __key__, got {key!r}")
+    if key == previous_key:
+        raise ValueError(f"consecutive samples share __key__ {key!r}: readers would merge them")
+    parts = []
+    for field in sorted(k for k in sample if not k.startswith("_")):
+        name = f"{key}.{field}"
+        if split_name(name) != (key, field):
+            raise ValueError(
+                f"sample {key!r}: member name {name!r} would read back as key and field "
+                f"{split_name(name)}; use no '.' in the key's last part and lower-case fields"
+            )
+        parts.extend(_member(name, sample[field]))
+    return key, b"".join(parts)
+
+
+def _member(name: str, value: Any) -> list[bytes]:
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise ValueError(f"{name}: the encoder gave {type(value).__name__}, expected bytes")
+    info = tarfile.TarInfo(name)
+    info.size = len(value)
+    info.mode = 0o444
+    header = info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    return [header, bytes(value), bytes(-len(value) % BLOCK)]
+
+
+class _ShardFile:
+    """One shard being written under a temporary name; ``close`` renames it into place."""
+
+    def __init__(self, fs, url: str) -> None:
+        self.fs = fs
+        self.url = url
+        self.path = fs._strip_protocol(url)
+        folder, _, name = self.path.rpartition("/")
+        self.temporary = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp" if folder else f".{name}.tmp"
+        if folder:
+            fs.makedirs(folder, exist_ok=True)
+        self.file = fs.open(self.temporary, "wb")
+        self.offsets = [0]
+        self.count = 0
+
+    @property
+    def size(self) -> int:
+        return self.offsets[-1]
+
+    def add(self, data: bytes) -> None:
+        self.file.write(data)
+        self.offsets.append(self.size + len(data))
+        self.count += 1
+
+    def abort(self) -> None:
+        self.file.close()
+        self.fs.rm(self.temporary)
+
+    def close(self) -> ShardInfo:
+        self.file.write(_END)
+        self.file.close()
+        self.fs.mv(self.temporary, self.path)
+        size = self.size + len(_END)
+        return ShardInfo(self.url, "tar", self.count, tuple(self.offsets), size)
+
+
+def directory_samples(url: str, storage_options: dict[str, Any] | None = None) -> Iterator[dict]:
+    """Samples from a folder of files, grouped by key like a tar shard: ``a/1.jpg`` and
+    ``a/1.cls`` become ``{"__key__": "a/1", "jpg": ..., "cls": ...}``, keys in sorted order."""
+    fs, root = url_to_fs(url, **(storage_options or {}))
+    root = root.rstrip("/")
+    grouped: dict[str, dict[str, str]] = {}
+    for path in sorted(fs.find(root)):
+        key, field = split_name(path[len(root) + 1 :])
+        if key is not None:
+            grouped.setdefault(key, {})[field] = path
+    if not grouped:
+        raise FileNotFoundError(f"no files named like key.field under {url!r}")
+    for key in sorted(grouped):
+        fields = grouped[key]
+        yield {"__key__": key, **{field: fs.cat_file(path) for field, path in fields.items()}}
+
+
+def parquet_samples(
+    source: str | Sequence[str], storage_options: dict[str, Any] | None = None
+) -> Iterator[dict]:
+    """Samples from Parquet rows: one field per column (bytes and str as they are, None left
+    out, other values as JSON); the key is the ``__key__`` column, else the row number."""
+    row = 0
+    for url in expand_sources(source, storage_options):
+        fs, path = url_to_fs(url, **(storage_options or {}))
+        for batch in pq.ParquetFile(path, filesystem=fs).iter_batches():
+            for record in batch.to_pylist():
+                key = record.pop("__key__", None)
+                fields = {k: _as_bytes(v) for k, v in record.items() if v is not None}
+                yield {"__key__": str(row if key is None else key), **fields}
+                row += 1
+
+
+def _as_bytes(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    return json.dumps(value).encode()
