@@ -137,7 +137,7 @@ def _should_use_distributed(flag: bool | None) -> bool:
             raise RuntimeError(f"use_distributed=True but {problem}")
         return True
     if problem and (launch.world_size > 1 or unlaunched):
-        warnings.warn(f"running without DDP: {problem}", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"running without DDP: {problem}", RuntimeWarning, stacklevel=4)
     return problem is None and launch.world_size > 1
 
 
