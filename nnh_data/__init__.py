@@ -12,12 +12,17 @@ from nnh_data.augment import (
 )
 from nnh_data.ranges import DistributedRangeSplitter
 from nnh_data.seeding import RankAwareSeedGenerator
+from nnh_data.transforms import PADDING_MODES, AugmentModule, AugmentParams, apply_augmentation
 
 __all__ = [
+    "PADDING_MODES",
     "PARAM_NAMES",
+    "AugmentModule",
+    "AugmentParams",
     "AugmentationConfig",
     "DistributedRangeSplitter",
     "RankAwareSeedGenerator",
+    "apply_augmentation",
     "gen_augmentation_params",
     "gen_augmentation_params_batch",
     "gen_distributed_augmentation_params",
