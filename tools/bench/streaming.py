@@ -1,0 +1,163 @@
+"""Benchmark: ShardedStreamingDataset against webdataset, tarfile and raw pyarrow, one process.
+
+Prints one JSON object. On the same shards of 3 KiB samples (written by ``write_shards``):
+samples/s of nnh tar streaming, ``webdataset.WebDataset`` and ``tarfile`` (ratios
+``tar_vs_webdataset``, ``tar_vs_tarfile``); on the same rows as Parquet files, nnh versus raw
+``pyarrow`` ``iter_batches`` + ``to_pylist`` (``parquet_vs_pyarrow``); seconds to the first
+sample with 10,000 indexed shards of 10 samples (index sidecar on disk); peak RSS of a process
+streaming 1x and 10x the samples (``rss_growth`` = 10x / 1x - 1). Rates are the best of a few
+runs.
+
+    .venv/bin/python tools/bench/streaming.py [--samples 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import webdataset as wds
+
+from nnh_data.shards import build_shard_index
+from nnh_data.streaming import ShardedStreamingDataset
+from nnh_data.writer import write_shards
+
+SAMPLE_BYTES = 3072
+PER_SHARD = 1000
+SHARDS_MANY = 10_000
+
+
+def samples(count: int, first: int = 0):
+    """``count`` samples of ~3 KiB: a payload, a class label and a short caption."""
+    payload = os.urandom(SAMPLE_BYTES)
+    for g in range(first, first + count):
+        yield {"__key__": f"{g:09d}", "bin": payload, "cls": g % 1000, "txt": f"sample {g}"}
+
+
+def write_parquet(folder: str, count: int) -> list[str]:
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for i, first in enumerate(range(0, count, PER_SHARD * 4)):
+        rows = list(samples(min(PER_SHARD * 4, count - first), first))
+        table = pa.table({k: [r[k] for r in rows] for k in ("__key__", "bin", "cls", "txt")})
+        paths.append(f"{folder}/part-{i:06d}.parquet")
+        pq.write_table(table, paths[-1], row_group_size=1000)
+    return paths
+
+
+def best_rate(fn, repeats: int) -> float:
+    """Best items/s of ``fn()`` (which returns the item count) over ``repeats`` runs."""
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        count = fn()
+        best = max(best, count / (time.perf_counter() - start))
+    return best
+
+
+def tarfile_count(urls: list[str]) -> int:
+    keys = 0
+    for url in urls:
+        with tarfile.open(url) as tar:
+            previous = None
+            for member in tar:
+                tar.extractfile(member).read()
+                key = member.name.split(".", 1)[0]
+                keys += key != previous
+                previous = key
+    return keys
+
+
+def pyarrow_count(paths: list[str]) -> int:
+    rows = 0
+    for path in paths:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1000):
+            rows += len(batch.to_pylist())
+    return rows
+
+
+def in_fresh_process(code: str) -> float:
+    """Run ``code`` (which prints one number) in a new interpreter; the number."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout)
+
+
+def first_sample_seconds(pattern: str) -> float:
+    """Seconds from opening ``pattern`` (index sidecar on disk) to the first sample, measured in a
+    fresh process after its imports."""
+    return in_fresh_process(
+        "import time\n"
+        "from nnh_data.streaming import ShardedStreamingDataset\n"
+        "t = time.perf_counter()\n"
+        f"next(iter(ShardedStreamingDataset({pattern!r})))\n"
+        "print(time.perf_counter() - t)"
+    )
+
+
+def peak_rss_mib(source: str) -> float:
+    """Peak RSS (MiB, VmHWM) of a fresh process that streams every sample of ``source`` once."""
+    return in_fresh_process(
+        "from nnh_data.streaming import ShardedStreamingDataset\n"
+        f"n = sum(1 for _ in ShardedStreamingDataset({source!r}))\n"
+        "status = open('/proc/self/status').read()\n"
+        "print(int(status.split('VmHWM:')[1].split()[0]) / 1024)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=20_000)
+    args = parser.parse_args()
+    n = args.samples
+    with tempfile.TemporaryDirectory() as tmp:
+        write_shards(samples(n), f"{tmp}/tar/train-%06d.tar", max_count=PER_SHARD)
+        urls = sorted(glob.glob(f"{tmp}/tar/train-*.tar"))
+        few = urls[: max(1, len(urls) // 4)]  # the slow baselines read a quarter
+        index = build_shard_index(urls)
+        nnh_tar = best_rate(lambda: sum(1 for _ in ShardedStreamingDataset(index)), 3)
+        webdataset = best_rate(lambda: sum(1 for _ in wds.WebDataset(few, shardshuffle=False)), 2)
+        tarfile_rate = best_rate(lambda: tarfile_count(few), 2)
+
+        paths = write_parquet(f"{tmp}/parquet", n)
+        pq_index = build_shard_index(paths)
+        nnh_parquet = best_rate(lambda: sum(1 for _ in ShardedStreamingDataset(pq_index)), 3)
+        raw_parquet = best_rate(lambda: pyarrow_count(paths), 3)
+
+        write_shards(samples(SHARDS_MANY * 10), f"{tmp}/many/s-%06d.tar", max_count=10)
+        build_shard_index(f"{tmp}/many/s-*.tar")  # the sidecar a training job finds on disk
+        first = min(first_sample_seconds(f"{tmp}/many/s-*.tar") for _ in range(3))
+        write_shards(samples(9 * n, n), f"{tmp}/tar/train-%06d.tar", start_shard=len(urls),
+                     max_count=PER_SHARD)  # fmt: skip
+        build_shard_index(f"{tmp}/tar/train-*.tar")
+        rss_1x = peak_rss_mib(f"{tmp}/tar/train-{{000000..{len(urls) - 1:06d}}}.tar")
+        rss_10x = peak_rss_mib(f"{tmp}/tar/train-*.tar")
+    result = {
+        "samples": n,
+        "sample_bytes": SAMPLE_BYTES,
+        "nnh_tar_samples_per_s": round(nnh_tar),
+        "webdataset_samples_per_s": round(webdataset),
+        "tarfile_samples_per_s": round(tarfile_rate),
+        "tar_vs_webdataset": round(nnh_tar / webdataset, 2),
+        "tar_vs_tarfile": round(nnh_tar / tarfile_rate, 2),
+        "nnh_parquet_samples_per_s": round(nnh_parquet),
+        "pyarrow_rows_per_s": round(raw_parquet),
+        "parquet_vs_pyarrow": round(nnh_parquet / raw_parquet, 2),
+        "first_sample_s_10000_shards": round(first, 3),
+        "peak_rss_mib_1x": round(rss_1x, 1),
+        "peak_rss_mib_10x": round(rss_10x, 1),
+        "rss_growth": round(rss_10x / rss_1x - 1, 3),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
