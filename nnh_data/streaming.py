@@ -114,7 +114,9 @@ class ShardedStreamingDataset(IterableDataset):
     ``readahead`` is the number of read blocks fetched ahead in a thread. With
     ``on_error="skip"`` unreadable shards and samples are left out, counted in
     ``error_counts`` (per shard URL, per process) and warned about once per shard; the rank
-    then yields fewer than ``len()`` samples.
+    then yields fewer than ``len()`` samples. With DataLoader workers, take and restore the
+    state through torchdata's ``StatefulDataLoader``: the dataset object in the main process
+    does not see its workers' progress.
 
     Example:
         >>> ds = ShardedStreamingDataset("data/train-{000000..000009}.tar")  # doctest: +SKIP
