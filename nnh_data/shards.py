@@ -14,13 +14,13 @@ ranges seekable comes from :func:`build_shard_index`, cached in a JSON sidecar
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
@@ -135,7 +135,7 @@ def _scan_or_skip(
         if on_error == "raise":
             raise
         warnings.warn(f"skipping unreadable shard: {exc}", stacklevel=4)
-        return ShardInfo(url, format, 0, (0,), size, error=str(exc))
+        return ShardInfo(url, format, 0, size=size, error=str(exc))
 
 
 def scan_shard(fs: AbstractFileSystem, path: str, url: str, format: str, size: int) -> ShardInfo:
@@ -146,13 +146,12 @@ def scan_shard(fs: AbstractFileSystem, path: str, url: str, format: str, size: i
         except (pa.ArrowException, OSError) as exc:
             raise ShardError(url, "footer", f"unreadable Parquet file ({exc})") from exc
         rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
-        offsets = (0, *itertools.accumulate(rows))
-        return ShardInfo(url, format, metadata.num_rows, offsets, size)
+        return ShardInfo.from_offsets(url, format, [0, *itertools.accumulate(rows)], size)
     try:
         offsets = _scan_tar(fs, path, size)
     except TarFormatError as exc:
         raise ShardError(url, f"byte {exc.offset}", exc.reason) from exc
-    return ShardInfo(url, format, len(offsets) - 1, offsets, size)
+    return ShardInfo.from_offsets(url, format, offsets, size)
 
 
 def _scan_tar(fs: AbstractFileSystem, path: str, size: int) -> tuple[int, ...]:
@@ -188,13 +187,17 @@ def split_shard_range(
     pieces = []
     while start < stop:
         if info.format == "tar":
-            limit = offsets[start] + max_bytes
-            end = min(stop, max(start + 1, bisect.bisect_right(offsets, limit) - 1))
+            end = min(stop, max(start + 1, _piece(offsets, offsets[start] + max_bytes)))
         else:
-            end = min(stop, offsets[bisect.bisect_right(offsets, start)])
+            end = min(stop, int(offsets[_piece(offsets, start) + 1]))
         pieces.append((start, end))
         start = end
     return pieces
+
+
+def _piece(offsets: np.ndarray, position: int) -> int:
+    """The index of the piece (tar sample, Parquet row group) that holds ``position``."""
+    return int(np.searchsorted(offsets, position, "right")) - 1
 
 
 def fetch_shard_range(
@@ -210,7 +213,7 @@ def fetch_shard_range(
     fs, path = url_to_fs(info.url, **(storage_options or {}))
     if info.format == "parquet":
         return _fetch_parquet(fs, path, info, start, stop)
-    low, high = info.offsets[start], info.offsets[stop]
+    low, high = int(info.offsets[start]), int(info.offsets[stop])
     if low == high:
         return b""
     try:
@@ -226,8 +229,8 @@ def fetch_shard_range(
 def _fetch_parquet(
     fs: AbstractFileSystem, path: str, info: ShardInfo, start: int, stop: int
 ) -> pa.Table:
-    first = bisect.bisect_right(info.offsets, start) - 1
-    last = bisect.bisect_left(info.offsets, stop)
+    first = _piece(info.offsets, start)
+    last = int(np.searchsorted(info.offsets, stop))
     try:
         return pq.ParquetFile(path, filesystem=fs).read_row_groups(
             range(first, max(first, last)), use_threads=False
@@ -252,7 +255,7 @@ def decode_shard_range(
 
 
 def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> Iterator[dict]:
-    base = info.offsets[start]
+    base = int(info.offsets[start])
     try:
         parsed = parse_members(buf, 0, len(buf))
         if parsed.stop < len(buf) and not parsed.end:
@@ -267,12 +270,12 @@ def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> Iterator[
 
 
 def _tar_position(info: ShardInfo, offset: int) -> str:
-    sample = max(0, bisect.bisect_right(info.offsets, offset) - 1)
+    sample = max(0, _piece(info.offsets, offset))
     return f"sample {min(sample, info.num_samples)}, byte {offset}"
 
 
 def _decode_parquet(info: ShardInfo, table: pa.Table, start: int, stop: int) -> Iterator[dict]:
-    first = info.offsets[bisect.bisect_right(info.offsets, start) - 1]
+    first = int(info.offsets[_piece(info.offsets, start)])
     table = table.slice(start - first, stop - start)
     names = table.column_names
     has_key = "__key__" in names

@@ -202,11 +202,11 @@ def check_checksums(buf: bytes, heads: list[int]) -> None:
 
 def _octal_columns(field: np.ndarray) -> np.ndarray:
     """Parse an (n, 8) array of octal text fields ("0012345\\0 ", " 12345\\0") at once."""
-    value = np.zeros(len(field), np.int64)
-    for column in field.T:
-        digit = (column >= 48) & (column <= 55)
-        value = np.where(digit, value * 8 + column.astype(np.int64) - 48, value)
-    return value
+    digits = field.astype(np.int64) - 48
+    is_digit = (digits >= 0) & (digits <= 7)
+    # a digit's power of 8 is the number of digits after it (one run of digits per field)
+    power = np.cumsum(is_digit[:, ::-1], axis=1)[:, ::-1] - 1
+    return np.where(is_digit, digits << (3 * np.maximum(power, 0)), 0).sum(1)
 
 
 def iter_samples(buf: bytes, members: list[Member]) -> Iterator[dict]:

@@ -164,7 +164,7 @@ class _ShardFile:
         self.file.close()
         self.fs.mv(self.temporary, self.path)
         size = self.size + len(_END)
-        return ShardInfo(self.url, "tar", self.count, tuple(self.offsets), size)
+        return ShardInfo.from_offsets(self.url, "tar", self.offsets, size)
 
 
 def directory_samples(url: str, storage_options: dict[str, Any] | None = None) -> Iterator[dict]:
