@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nnh_data.shard_index import ShardInfo, decode_offsets, encode_offsets
+from nnh_data.shards import build_shard_index
+
+
+@given(st.lists(st.integers(0, 2**40), max_size=50), st.sampled_from(["tar", "parquet"]))
+def test_offsets_round_trip(steps, format):
+    unit = 512 if format == "tar" else 1
+    offsets = np.cumsum([0, *steps], dtype=np.int64) * unit
+    assert decode_offsets(encode_offsets(offsets, format), format).tolist() == offsets.tolist()
+
+
+def test_seek_text_is_short_and_offsets_are_checked():
+    offsets = [0, *range(4608, 4608 * 1001, 4608)]  # 1000 samples of 9 blocks
+    info = ShardInfo.from_offsets("s.tar", "tar", offsets, size=-1)
+    assert info.num_samples == 1000 and len(info.seek) < 1400
+    assert info.offsets.tolist() == offsets
+    with pytest.raises(ValueError, match="do not match 999 samples"):
+        _ = ShardInfo("s.tar", "tar", 999, info.seek).offsets
+    with pytest.raises(ValueError, match="format"):
+        ShardInfo("s.zip", "zip", 0)
+
+
+def test_sidecar_keeps_other_shard_sets_and_serves_subsets(tar_shards, tmp_path):
+    train = tar_shards([2, 3], name="train")
+    val = tar_shards([4], name="val")
+    build_shard_index(train)
+    build_shard_index(val)
+    saved = json.loads((tmp_path / "nnh-index.json").read_text())["shards"]
+    assert sorted(saved) == ["train-000000.tar", "train-000001.tar", "val-000000.tar"]
+    subset = build_shard_index(train[1:])
+    assert subset.shards[0].num_samples == 3
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"version": 1, "shards": {}}'])
+def test_unusable_sidecar_is_rebuilt_with_a_warning(tar_shards, tmp_path, text):
+    paths = tar_shards([2])
+    (tmp_path / "nnh-index.json").write_text(text)
+    with pytest.warns(UserWarning, match="ignoring"):
+        index = build_shard_index(paths)
+    assert index.total_samples == 2
+    assert json.loads((tmp_path / "nnh-index.json").read_text())["version"] == 2
+
+
+def test_missing_shard_is_named(tar_shards, tmp_path):
+    paths = tar_shards([1])
+    with pytest.raises(FileNotFoundError, match="gone.tar"):
+        build_shard_index([*paths, str(tmp_path / "gone.tar")])
