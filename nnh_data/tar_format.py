@@ -210,17 +210,18 @@ def _octal_columns(field: np.ndarray) -> np.ndarray:
 
 
 def iter_samples(buf: bytes, members: list[Member]) -> Iterator[dict]:
-    """Group ``members`` of ``buf`` into samples: ``{"__key__": key, field: bytes, ...}``."""
+    """Group ``members`` of ``buf`` into samples: ``{"__key__": key, field: bytes, ...}``.
+
+    Check the members with :func:`sample_starts` first: a repeated field is not detected here.
+    """
     sample: dict = {}
     key = None
-    for start, member_key, field, data, size in members:
+    for _, member_key, field, data, size in members:
         if member_key != key:
             if key is not None:
                 yield sample
             key = member_key
             sample = {"__key__": key}
-        elif field in sample:
-            raise TarFormatError(start, f"duplicate field {field!r} in {key!r}")
         sample[field] = buf[data : data + size]
     if key is not None:
         yield sample
@@ -229,11 +230,17 @@ def iter_samples(buf: bytes, members: list[Member]) -> Iterator[dict]:
 def sample_starts(members: list[Member], key: str | None) -> tuple[list[int], str | None]:
     """Offsets of the members that start a new sample after a sample with key ``key``.
 
-    Returns the offsets and the key of the last member, to carry across blocks.
+    Returns the offsets and the key of the last member, to carry across blocks. Raises
+    :class:`TarFormatError` where a sample repeats a field (webdataset refuses those too).
     """
     starts = []
-    for start, member_key, _, _, _ in members:
+    fields: set[str] = set()
+    for start, member_key, field, _, _ in members:
         if member_key != key:
             starts.append(start)
             key = member_key
+            fields.clear()
+        elif field in fields:
+            raise TarFormatError(start, f"duplicate field {field!r} in sample {key!r}")
+        fields.add(field)
     return starts, key

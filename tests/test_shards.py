@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import io
 import json
 import os
+import tarfile
 import warnings
 
 import pyarrow as pa
@@ -148,6 +150,16 @@ def test_bad_checksum_names_url_and_position(tar_shards):
     assert caught.value.position == f"sample 2, byte {info.offsets[2]}"
     with pytest.raises(ShardError, match="checksum"):
         build_shard_index(path, rebuild=True)
+
+
+def test_duplicate_field_is_a_shard_error(tmp_path):
+    path = str(tmp_path / "dup.tar")
+    with tarfile.open(path, "w") as tar:
+        for name in ["a.x", "b.x", "b.x"]:
+            tar.addfile(tarfile.TarInfo(name), io.BytesIO(b""))
+    with pytest.raises(ShardError, match="duplicate field 'x' in sample 'b'") as caught:
+        build_shard_index(path)
+    assert caught.value.position == "byte 1024"
 
 
 def test_unreadable_parquet_and_skip(parquet_shards, tar_shards):
