@@ -184,10 +184,15 @@ def save_entries(
 
 def write_atomic(fs: AbstractFileSystem, path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary name, so readers never see a partial file."""
-    folder, _, name = path.rpartition("/")
-    temporary = posixpath.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
+    temporary = temporary_path(path)
     fs.pipe_file(temporary, data)
     fs.mv(temporary, path)
+
+
+def temporary_path(path: str) -> str:
+    """A unique hidden name next to ``path``, to write to before renaming."""
+    folder, _, name = path.rpartition("/")
+    return posixpath.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
 
 
 def file_sizes(fs: AbstractFileSystem, paths: Sequence[str]) -> list[int]:

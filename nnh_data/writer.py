@@ -10,12 +10,13 @@ renamed when complete; the index sidecar is written at the end.
 from __future__ import annotations
 
 import json
+import posixpath
 import tarfile
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import pyarrow.parquet as pq
+from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from webdataset.writer import make_encoder
 
@@ -26,6 +27,7 @@ from nnh_data.shard_index import (
     default_index_path,
     load_entries,
     save_entries,
+    temporary_path,
     updated_entries,
 )
 from nnh_data.sources import expand_sources
@@ -134,14 +136,12 @@ def _member(name: str, value: Any) -> list[bytes]:
 class _ShardFile:
     """One shard being written under a temporary name; ``close`` renames it into place."""
 
-    def __init__(self, fs, url: str) -> None:
+    def __init__(self, fs: AbstractFileSystem, url: str) -> None:
         self.fs = fs
         self.url = url
         self.path = fs._strip_protocol(url)
-        folder, _, name = self.path.rpartition("/")
-        self.temporary = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp" if folder else f".{name}.tmp"
-        if folder:
-            fs.makedirs(folder, exist_ok=True)
+        self.temporary = temporary_path(self.path)
+        fs.makedirs(posixpath.dirname(self.path), exist_ok=True)
         self.file = fs.open(self.temporary, "wb")
         self.offsets = [0]
         self.count = 0
