@@ -87,7 +87,7 @@ def parse_members(buf: bytes, pos: int, limit: int, *, need_data: bool = True) -
     heads: list[int] = []
     try:
         stop, end = _parse(buf, pos, limit, need_data, members, heads)
-    except (ValueError, IndexError, UnicodeDecodeError) as exc:
+    except (ValueError, IndexError) as exc:
         check_checksums(buf, heads)  # a corrupt header explains the failure better
         if isinstance(exc, TarFormatError):
             raise
@@ -96,7 +96,9 @@ def parse_members(buf: bytes, pos: int, limit: int, *, need_data: bool = True) -
     return Parsed(members, stop, end)
 
 
-def _parse(buf, pos, limit, need_data, members, heads) -> tuple[int, bool]:
+def _parse(
+    buf: bytes, pos: int, limit: int, need_data: bool, members: list[Member], heads: list[int]
+) -> tuple[int, bool]:
     """The tight loop of :func:`parse_members`; appends to ``members`` and ``heads``."""
     unpack = _HEADER.unpack_from
     append = members.append
