@@ -23,6 +23,11 @@ from nnh_train import (
 )
 
 GROUP_TIMEOUT_S = 30.0  # run_distributed gives the group half of its timeout
+CUDA = torch.cuda.is_available()
+WORKER_DEVICES = (
+    [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    if CUDA else [torch.device("cpu")]
+)
 
 
 class _Unrebuildable(Exception):
@@ -151,11 +156,13 @@ def _doubled(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.timeout(60)
 def test_parallel_executor_runs_one_cpu_worker_per_run():
     with ParallelExecutor() as executor:
-        assert executor.devices == [torch.device("cpu")]
-        [first] = executor.run(_scaled_sum, torch.arange(4.0), factor=2.0)
-    assert first["sum"].item() == 12.0 and first["device"] == "cpu"
+        assert executor.devices == WORKER_DEVICES
+        results = executor.run(_scaled_sum, torch.arange(4.0), factor=2.0)
+    assert [r["device"] for r in results] == [str(d) for d in WORKER_DEVICES]
+    first = results[0]
+    assert first["sum"].item() == 12.0 and first["sum"].device.type == "cpu"
     assert first["pid"] != os.getpid()
-    assert [t.tolist() for t in _doubled(torch.ones(2))] == [[2.0, 2.0]]
+    assert [t.tolist() for t in _doubled(torch.ones(2))] == [[2.0, 2.0]] * len(WORKER_DEVICES)
 
 
 @pytest.mark.timeout(90)
@@ -168,11 +175,13 @@ def test_parallel_executor_runs_one_cpu_worker_per_run():
     ],
 )
 def test_parallel_executor_raises_when_a_worker_fails(func, expected):
-    with pytest.raises(WorkerError, match=f"{func.__name__} failed in the worker for cpu") as info:
+    message = f"{func.__name__} failed in the worker for {WORKER_DEVICES[0]}"
+    with pytest.raises(WorkerError, match=message) as info:
         ParallelExecutor().run(func)
     assert expected in str(info.value)
 
 
+@pytest.mark.skipif(CUDA, reason="checks the CPU fallback")
 def test_parallel_executor_on_cpu_warns_that_gpus_are_ignored():
     with pytest.warns(RuntimeWarning, match="num_gpus=2 but CUDA is not available"):
         assert ParallelExecutor(num_gpus=2).devices == [torch.device("cpu")]
@@ -180,7 +189,8 @@ def test_parallel_executor_on_cpu_warns_that_gpus_are_ignored():
         ParallelExecutor(num_gpus=0)
 
 
-def test_parallel_on_all_devices_runs_directly_without_gpus():
+@pytest.mark.skipif(torch.cuda.device_count() > 1, reason="checks the fallback below 2 GPUs")
+def test_parallel_on_all_devices_runs_directly_below_two_gpus():
     @parallel_on_all_devices
     def double(batch: torch.Tensor) -> torch.Tensor:
         return batch * 2

@@ -147,6 +147,7 @@ def test_master_port_uses_the_whole_job_id_outside_ephemeral_ports(job_id):
     assert _master_port_for_job(str(job_id + 10_000)) != port  # not just the last digits
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback without CUDA")
 def test_resolve_device_without_cuda():
     assert _resolve_device("cpu") == CPU and _resolve_device(CPU) == CPU
     for name in ("cuda", "gpu", "cuda:1", "GPU:0"):
@@ -182,8 +183,8 @@ def test_timeout_values():
 
 
 def test_single_process_without_launcher(launch_env):
-    assert initialize_ddp() == (False, 0, 0, 1, CPU)
-    assert get_dist_info() == (False, 0, 0, 1, CPU)
+    assert initialize_ddp() == (False, 0, 0, 1, _pick_device(0))
+    assert get_dist_info() == (False, 0, 0, 1, _pick_device(0))
     assert not dist.is_initialized()
 
 
@@ -226,7 +227,7 @@ def _assert_two_rank_job(reports: list[dict]) -> None:
 @pytest.mark.timeout(120)
 def test_torchrun_standalone_two_ranks():
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", JOB]
+               "--nproc-per-node", "2", JOB, "cpu"]
     done = subprocess.run(command, env=_clean_env(), capture_output=True, text=True,
                           timeout=100, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -255,7 +256,7 @@ def slurm() -> None:
 
 @pytest.mark.timeout(150)
 def test_srun_two_tasks_initialise_from_slurm_variables(slurm):
-    command = ["srun", "-n", "2", "--kill-on-bad-exit=1", "--time=2", sys.executable, JOB]
+    command = ["srun", "-n", "2", "--kill-on-bad-exit=1", "--time=2", sys.executable, JOB, "cpu"]
     done = subprocess.run(command, env=_clean_env(), capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -270,7 +271,7 @@ def test_srun_two_tasks_initialise_from_slurm_variables(slurm):
 def test_batch_script_without_srun_runs_alone_with_a_hint(slurm, tmp_path):
     out = tmp_path / "job.out"
     command = ["sbatch", "--wait", "-n", "2", "--time=2", f"--output={out}",
-               f"--wrap={sys.executable} {JOB}"]
+               f"--wrap={sys.executable} {JOB} cpu"]
     done = subprocess.run(command, env=_clean_env(), capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:] + out.read_text()

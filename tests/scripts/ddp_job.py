@@ -1,10 +1,12 @@
 """Started by tests under torchrun, srun and sbatch: initialise DDP, all-reduce, make rank 1 fail
-under on_rank, and print one JSON line per process."""
+under on_rank, and print one JSON line per process. ``python ddp_job.py [DEVICE]``: the tests
+pass ``cpu`` so that they also hold on a machine with fewer GPUs than ranks."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 
 import torch
@@ -21,7 +23,8 @@ def _fail_on_rank_one() -> None:
 def main() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        distributed, rank, local_rank, world_size, device = initialize_ddp(timeout=60)
+        device = sys.argv[1] if len(sys.argv) > 1 else None
+        distributed, rank, local_rank, world_size, device = initialize_ddp(60, device=device)
     total = torch.tensor([rank + 1.0])
     if distributed:
         dist.all_reduce(total)
