@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from types import MappingProxyType
 from typing import Any
 
@@ -152,15 +153,23 @@ def gen_augmentation_params_batch(
     return out
 
 
+_ROW_KEYS = (*PARAM_NAMES, "sample_id", "rank", "epoch", "seed")
+
+
 def _rows(columns: dict[str, np.ndarray]) -> Iterator[dict[str, Any]]:
-    """Turn batch columns into per-sample dicts of Python scalars (hex seeds)."""
-    lists = [columns[n].tolist() for n in (*PARAM_NAMES, "sample_id", "seed")]
-    rank, epoch = int(columns["rank"][0]), int(columns["epoch"][0])  # constant per call
-    for rot, bri, noi, sca, con, sid, seed in zip(*lists):
-        yield {
-            "rotation": rot, "brightness": bri, "noise": noi, "scale": sca, "contrast": con,
-            "sample_id": sid, "rank": rank, "epoch": epoch, "seed": f"{seed:016x}",
-        }  # fmt: skip
+    """Per-sample dicts of Python scalars (hex seeds) from batch columns, built lazily.
+
+    The dicts are made by C-level ``map``/``zip`` rather than a Python loop: this runs once per
+    streamed sample, so it sets the per-sample cost of the streaming datasets.
+    """
+    n = len(columns["sample_id"])
+    if n == 0:
+        return iter(())
+    hexed = columns["seed"].astype(">u8").tobytes().hex()  # 16 digits per seed, as seed_hex
+    seeds = [hexed[i : i + 16] for i in range(0, 16 * n, 16)]
+    values = [columns[name].tolist() for name in (*PARAM_NAMES, "sample_id")]
+    rank, epoch = repeat(int(columns["rank"][0])), repeat(int(columns["epoch"][0]))
+    return map(dict, map(zip, repeat(_ROW_KEYS), zip(*values, rank, epoch, seeds)))
 
 
 def gen_augmentation_params(
