@@ -39,7 +39,7 @@ from nnh_data.shard_index import (
     updated_entries,
 )
 from nnh_data.sources import detect_format, expand_sources, shard_filesystem
-from nnh_data.tar_format import TarFormatError, iter_samples, parse_members, sample_starts
+from nnh_data.tar_format import TarFormatError, parse_samples
 
 __all__ = [
     "ShardError",
@@ -163,9 +163,9 @@ def _scan_tar(fs: AbstractFileSystem, path: str, size: int) -> tuple[int, ...]:
     block = _SCAN_BLOCK
     while pos < size:
         buf = fs.cat_file(path, start=pos, end=min(pos + block, size))
-        parsed = parse_members(buf, 0, len(buf), need_data=False)
-        found, key = sample_starts(parsed.members, key)
-        starts.extend(pos + start for start in found)
+        parsed = parse_samples(buf, 0, len(buf), need_data=False, key=key)
+        starts.extend(pos + start for start in parsed.starts)
+        key = parsed.key
         if parsed.end:
             return (*starts, pos + parsed.stop)
         if pos + parsed.stop > size or pos + len(buf) == size and parsed.stop < len(buf):
@@ -257,16 +257,16 @@ def decode_shard_range(
 def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> Iterator[dict]:
     base = int(info.offsets[start])
     try:
-        parsed = parse_members(buf, 0, len(buf))
+        parsed = parse_samples(buf, 0, len(buf))
         if parsed.stop < len(buf) and not parsed.end:
             raise TarFormatError(parsed.stop, "truncated tar (unexpected end of data)")
-        found, _ = sample_starts(parsed.members, None)
     except TarFormatError as exc:
         raise ShardError(info.url, _tar_position(info, base + exc.offset), exc.reason) from exc
-    if len(found) != stop - start:
-        reason = f"expected {stop - start} samples, found {len(found)}: the index is stale"
+    if len(parsed.samples) != stop - start:
+        found = len(parsed.samples)
+        reason = f"expected {stop - start} samples, found {found}: the index is stale"
         raise ShardError(info.url, _tar_position(info, base), reason)
-    return iter_samples(buf, parsed.members)
+    return iter(parsed.samples)
 
 
 def _tar_position(info: ShardInfo, offset: int) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import re
 import struct
 import tarfile
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -46,15 +45,12 @@ class TarFormatError(ValueError):
         return f"{self.reason} at byte {self.offset}"
 
 
-# A regular member that belongs to a sample: (start of its headers, extended headers included;
-# key; field; start of its data; data size).
-Member = tuple[int, str, str, int, int]
-
-
 class Parsed(NamedTuple):
-    """What :func:`parse_members` found in a block."""
+    """What :func:`parse_samples` found in a block."""
 
-    members: list[Member]
+    starts: list[int]  # where each sample that begins in the block starts (its first header)
+    samples: list[dict]  # those samples, when their data was read (``need_data``)
+    key: str | None  # the key of the last sample, to carry into the next block
     stop: int  # where parsing stopped: the next header to read (or the end-of-archive marker)
     end: bool  # True when the end-of-archive marker was reached
 
@@ -75,43 +71,51 @@ def split_name(path: str) -> tuple[str | None, str]:
     return match.group(1), match.group(2).lower()
 
 
-def parse_members(buf: bytes, pos: int, limit: int, *, need_data: bool = True) -> Parsed:
-    """Parse the headers in ``buf`` from ``pos`` up to ``limit`` (or the end-of-archive marker).
+def parse_samples(
+    buf: bytes, pos: int, limit: int, *, need_data: bool = True, key: str | None = None
+) -> Parsed:
+    """Parse the members in ``buf`` from ``pos`` up to ``limit`` (or the end-of-archive marker)
+    and group them into samples ``{"__key__": key, field: bytes, ...}``.
 
-    Stops early at the first header (or, when ``need_data``, member data) that lies beyond
-    ``buf``; ``stop`` then points at the headers of that member, so the caller can read on from
-    there (``stop`` may lie beyond ``buf`` when data is skipped). Raises
-    :class:`TarFormatError` on a bad header.
+    ``key`` is the key of the sample before ``pos``: a member with that key continues it. With
+    ``need_data=False`` only headers (and extended header records) are read, for an index.
+    Parsing stops early at the first header (or, with ``need_data``, member data) that lies
+    beyond ``buf``; ``stop`` then points at the headers of that member, so the caller can read
+    on from there (``stop`` may lie beyond ``buf`` when data is skipped). Raises
+    :class:`TarFormatError` on a bad header or a field repeated within a sample.
     """
-    members: list[Member] = []
+    found = Parsed([], [], key, pos, False)
     heads: list[int] = []
     try:
-        stop, end = _parse(buf, pos, limit, need_data, members, heads)
+        found = _parse(buf, pos, limit, need_data, found, heads)
     except (ValueError, IndexError) as exc:
         check_checksums(buf, heads)  # a corrupt header explains the failure better
         if isinstance(exc, TarFormatError):
             raise
         raise TarFormatError(heads[-1] if heads else pos, f"bad tar header ({exc})") from exc
     check_checksums(buf, heads)
-    return Parsed(members, stop, end)
+    return found
 
 
 def _parse(
-    buf: bytes, pos: int, limit: int, need_data: bool, members: list[Member], heads: list[int]
-) -> tuple[int, bool]:
-    """The tight loop of :func:`parse_members`; appends to ``members`` and ``heads``."""
+    buf: bytes, pos: int, limit: int, need_data: bool, found: Parsed, heads: list[int]
+) -> Parsed:
+    """The tight loop of :func:`parse_samples`; fills ``found`` and ``heads``."""
     unpack = _HEADER.unpack_from
-    append = members.append
+    add_start = found.starts.append
+    add_sample = found.samples.append
     add_head = heads.append
     end = len(buf)
+    current = found.key
+    sample: dict = {}
     start = pos
     long_path = long_size = None
     while pos < limit:
         if pos + BLOCK > end:
-            return start, False
+            return found._replace(key=current, stop=start)
         name, size_field, kind = unpack(buf, pos)
         if not name[0] and buf[pos : pos + BLOCK] == ZERO_BLOCK:
-            return pos, True
+            return found._replace(key=current, stop=pos, end=True)
         add_head(pos)
         try:
             size = int(size_field.rstrip(b"\0"), 8)
@@ -123,7 +127,7 @@ def _parse(
         pos = data + ((size + 511) & -512)
         if kind in _REGULAR:
             if need_data and data + size > end:
-                return start, False
+                return found._replace(key=current, stop=start)
             if long_path is None:
                 cut = name.find(b"\0")
                 path = (name[:cut] if cut >= 0 else name).decode("utf-8", "surrogateescape")
@@ -134,14 +138,22 @@ def _parse(
             slash = path.rfind("/")
             dot = path.find(".", slash + 1)
             if dot > slash + 1 and path[:2] != "__":
-                append((start, path[:dot], path[dot + 1 :].lower(), data, size))
-            elif not _META.match(path):
-                key, field = split_name(path)
-                if key is not None:
-                    append((start, key, field, data, size))
+                key, field = path[:dot], path[dot + 1 :].lower()
+            else:
+                key, field = (None, "") if _META.match(path) else split_name(path)
+            if key is not None:  # else the member is not part of a sample
+                if key != current:
+                    current = key
+                    add_start(start)
+                    sample = {"__key__": key}
+                    if need_data:
+                        add_sample(sample)
+                elif field in sample:
+                    raise TarFormatError(start, f"duplicate field {field!r} in sample {key!r}")
+                sample[field] = buf[data : data + size] if need_data else None
         elif kind == b"x" or kind == b"L":
             if data + size > end:
-                return start, False
+                return found._replace(key=current, stop=start)
             records = buf[data : data + size]
             if kind == b"L":
                 long_path = _text(records.rstrip(b"\0"))
@@ -149,10 +161,10 @@ def _parse(
                 long_path, long_size = _pax(records, long_path, long_size)
             continue  # the extended header belongs to the next member
         elif kind != b"g" and kind not in _SKIPPED:
-            raise TarFormatError(pos, f"unsupported tar member type {kind!r}")
+            raise TarFormatError(data - BLOCK, f"unsupported tar member type {kind!r}")
         start = pos
         long_path = long_size = None
-    return pos, False
+    return found._replace(key=current, stop=pos)
 
 
 def _number(field: bytes) -> int:
@@ -209,40 +221,3 @@ def _octal_columns(field: np.ndarray) -> np.ndarray:
     # a digit's power of 8 is the number of digits after it (one run of digits per field)
     power = np.cumsum(is_digit[:, ::-1], axis=1)[:, ::-1] - 1
     return np.where(is_digit, digits << (3 * np.maximum(power, 0)), 0).sum(1)
-
-
-def iter_samples(buf: bytes, members: list[Member]) -> Iterator[dict]:
-    """Group ``members`` of ``buf`` into samples: ``{"__key__": key, field: bytes, ...}``.
-
-    Check the members with :func:`sample_starts` first: a repeated field is not detected here.
-    """
-    sample: dict = {}
-    key = None
-    for _, member_key, field, data, size in members:
-        if member_key != key:
-            if key is not None:
-                yield sample
-            key = member_key
-            sample = {"__key__": key}
-        sample[field] = buf[data : data + size]
-    if key is not None:
-        yield sample
-
-
-def sample_starts(members: list[Member], key: str | None) -> tuple[list[int], str | None]:
-    """Offsets of the members that start a new sample after a sample with key ``key``.
-
-    Returns the offsets and the key of the last member, to carry across blocks. Raises
-    :class:`TarFormatError` where a sample repeats a field (webdataset refuses those too).
-    """
-    starts = []
-    fields: set[str] = set()
-    for start, member_key, field, _, _ in members:
-        if member_key != key:
-            starts.append(start)
-            key = member_key
-            fields.clear()
-        elif field in fields:
-            raise TarFormatError(start, f"duplicate field {field!r} in sample {key!r}")
-        fields.add(field)
-    return starts, key

@@ -8,13 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
-from nnh_data.tar_format import (
-    TarFormatError,
-    iter_samples,
-    parse_members,
-    sample_starts,
-    split_name,
-)
+from nnh_data.tar_format import TarFormatError, parse_samples, split_name
 
 
 def tar_bytes(members, *, format=tarfile.PAX_FORMAT, pax_headers=None) -> bytes:
@@ -34,9 +28,9 @@ def tar_bytes(members, *, format=tarfile.PAX_FORMAT, pax_headers=None) -> bytes:
 
 
 def samples_of(buf: bytes) -> list[dict]:
-    parsed = parse_members(buf, 0, len(buf))
+    parsed = parse_samples(buf, 0, len(buf))
     assert parsed.end
-    return list(iter_samples(buf, parsed.members))
+    return parsed.samples
 
 
 def webdataset_samples(buf: bytes) -> list[dict]:
@@ -91,40 +85,41 @@ def test_pax_size_record_overrides_the_header():
     assert samples_of(buf) == [{"__key__": "a", "bin": b"12345"}]
 
 
-def test_sample_starts_include_extended_headers():
+def test_sample_starts_include_extended_headers_and_keys_carry_over():
     buf = tar_bytes([("a.x", b"1"), ("a.y", b"2"), ("b.x", b"3")])
-    parsed = parse_members(buf, 0, len(buf))
-    starts, last = sample_starts(parsed.members, None)
-    assert last == "b"
+    parsed = parse_samples(buf, 0, len(buf))
     # each member is a PAX header (2 blocks) then its own header and one data block
-    assert starts == [0, 2 * 4 * 512]
+    assert (parsed.starts, parsed.key) == ([0, 2 * 4 * 512], "b")
+    second_half = parse_samples(buf, 4 * 512, len(buf), key="a")
+    assert second_half.starts == [2 * 4 * 512]
+    assert second_half.samples == [{"__key__": "b", "x": b"3"}]
 
 
 def test_parsing_stops_where_the_buffer_ends():
     buf = tar_bytes([("a.x", b"1" * 600), ("b.x", b"2")])
     cut = buf[: 4 * 512]  # PAX header, header, half of a's data
-    parsed = parse_members(cut, 0, len(cut))
-    assert (parsed.members, parsed.stop, parsed.end) == ([], 0, False)
-    headers_only = parse_members(cut, 0, len(cut), need_data=False)
-    assert headers_only.stop == 5 * 512 and len(headers_only.members) == 1
+    parsed = parse_samples(cut, 0, len(cut))
+    assert (parsed.starts, parsed.stop, parsed.end) == ([], 0, False)
+    headers_only = parse_samples(cut, 0, len(cut), need_data=False)
+    assert (headers_only.starts, headers_only.samples, headers_only.stop) == ([0], [], 5 * 512)
 
 
 def test_bad_checksum_and_duplicate_field():
     buf = bytearray(tar_bytes([("a.x", b"1"), ("b.x", b"2")], format=tarfile.USTAR_FORMAT))
     buf[1024] ^= 1  # b's name
     with pytest.raises(TarFormatError, match="checksum") as caught:
-        parse_members(bytes(buf), 0, len(buf))
+        parse_samples(bytes(buf), 0, len(buf))
     assert caught.value.offset == 1024
     duplicate = tar_bytes([("a.x", b"1"), ("a.x", b"2")])
-    parsed = parse_members(duplicate, 0, len(duplicate))
-    with pytest.raises(TarFormatError, match="duplicate field") as caught:
-        sample_starts(parsed.members, None)
-    assert caught.value.offset == 2 * 512 * 2
+    for need_data in (True, False):
+        with pytest.raises(TarFormatError, match="duplicate field") as caught:
+            parse_samples(duplicate, 0, len(duplicate), need_data=need_data)
+        assert caught.value.offset == 2 * 512 * 2
 
 
 def test_garbage_is_a_format_error():
     with pytest.raises(TarFormatError):
-        parse_members(b"x" * 2048, 0, 2048)
+        parse_samples(b"x" * 2048, 0, 2048)
 
 
 @given(st.text(alphabet="ab./_C", max_size=12))
