@@ -55,7 +55,7 @@ __all__ = [
 
 _SCAN_BLOCK = 1 << 20
 _SCAN_THREADS = 16
-_CHUNK_BYTES = 64 << 20
+_CHUNK_BYTES = 16 << 20  # a decoded piece holds its bytes twice (payload and samples)
 
 
 class ShardError(RuntimeError):
