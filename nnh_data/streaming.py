@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch.distributed as dist
+from fsspec.utils import get_protocol
 from torch.utils.data import IterableDataset, get_worker_info
 
 from nnh_data._validate import check_choice, check_int
@@ -65,6 +66,8 @@ STATE_VERSION = 1
 _READ_BYTES = 8 << 20
 _GROUP = 1024  # samples emitted per group without shuffle
 _ON_ERROR = ("raise", "skip")
+_LOCAL_PROTOCOLS = ("file", "local", "memory")
+_REMOTE_READAHEAD = 2
 _LAYOUT_KEYS = ("version", "epoch", "seed", "total", "window", "uneven", "base", "world_size")
 
 
@@ -83,6 +86,11 @@ def dist_info(rank: int | None = None, world_size: int | None = None) -> tuple[i
             rank = int(os.environ.get("RANK", 0))
     world_size = check_int("world_size", world_size, low=1)
     return check_int("rank", rank, low=0, high=world_size - 1), world_size
+
+
+def _is_local(index: ShardIndex) -> bool:
+    """True when the shards lie on a local or in-memory filesystem (judged by the first)."""
+    return not index.shards or get_protocol(index.shards[0].url) in _LOCAL_PROTOCOLS
 
 
 def _worker() -> tuple[int, int]:
@@ -111,7 +119,8 @@ class ShardedStreamingDataset(IterableDataset):
     ``__pad__`` (True for the repeats that make ranks equal). ``source`` is anything
     :func:`build_shard_index` takes (URLs, a glob, a brace pattern) or a built ``ShardIndex``.
     ``shuffle_window`` bounds the in-window shuffle (and the decoded samples held in memory);
-    ``readahead`` is the number of read blocks fetched ahead in a thread. With
+    ``readahead`` is the number of read blocks fetched ahead in a thread; by default 2 for remote
+    filesystems and 0 for local and in-memory ones, where a thread only adds hand-off cost. With
     ``on_error="skip"`` unreadable shards and samples are left out, counted in
     ``error_counts`` (per shard URL, per process) and warned about once per shard; the rank
     then yields fewer than ``len()`` samples. With DataLoader workers, take and restore the
@@ -141,7 +150,7 @@ class ShardedStreamingDataset(IterableDataset):
         on_error: str = "raise",
         decode: Callable[[dict], Any] | None = None,
         shuffle_window: int = 1024,
-        readahead: int = 2,
+        readahead: int | None = None,
         format: str | None = None,
         storage_options: dict[str, Any] | None = None,
         index_path: str | None = None,
@@ -156,6 +165,8 @@ class ShardedStreamingDataset(IterableDataset):
         self.seed = check_int("seed", seed, low=0)
         self.epoch = check_int("epoch", epoch, low=0)
         self.window = check_int("shuffle_window", shuffle_window, low=1) if shuffle else 0
+        if readahead is None:
+            readahead = 0 if _is_local(self.index) else _REMOTE_READAHEAD
         self.readahead = check_int("readahead", readahead, low=0)
         self.uneven = check_choice("uneven", uneven, UNEVEN)
         self.on_error = check_choice("on_error", on_error, _ON_ERROR)

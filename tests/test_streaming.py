@@ -157,6 +157,15 @@ def test_sample_fields(tar_shards):
         assert s["__aug__"] == expected
 
 
+def test_local_shards_are_read_without_a_thread_by_default(tar_shards):
+    urls = tar_shards([3, 4])
+    assert ShardedStreamingDataset(urls).readahead == 0
+    threaded = ShardedStreamingDataset(urls, readahead=3)
+    assert [s["__index__"] for s in threaded] == [
+        s["__index__"] for s in ShardedStreamingDataset(urls)
+    ]
+
+
 def test_decode_is_applied_to_every_sample(tar_shards):
     ds = ShardedStreamingDataset(tar_shards([3, 2]), decode=lambda s: (s["__index__"], s["cls"]))
     assert sorted(ds) == [(g, str(g).encode()) for g in range(5)]
@@ -241,10 +250,12 @@ def test_reads_from_s3_through_moto(moto_s3, tar_shards):
         fs.put(url, f"{bucket}/data/{os.path.basename(url)}")
     source = f"{bucket}/data/shard-{{000000..000002}}.tar"
     options = moto_s3.storage_options
-    per_rank = [
-        list(ShardedStreamingDataset(source, rank=r, world_size=2, storage_options=options))
+    datasets = [
+        ShardedStreamingDataset(source, rank=r, world_size=2, storage_options=options)
         for r in range(2)
     ]
+    assert datasets[0].readahead == 2  # remote: the next block is fetched in a thread
+    per_rank = [list(ds) for ds in datasets]
     _check_epoch(per_rank, 15, [8, 8])
     assert per_rank[0][0]["__shard__"].startswith("s3://streaming-test/data/")
     assert all(s["bin"][:8] == s["__index__"].to_bytes(8, "little") for s in per_rank[1])
