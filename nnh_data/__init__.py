@@ -12,7 +12,17 @@ from nnh_data.augment import (
 )
 from nnh_data.ranges import DistributedRangeSplitter
 from nnh_data.seeding import RankAwareSeedGenerator
+from nnh_data.shards import (
+    ShardError,
+    ShardIndex,
+    ShardInfo,
+    build_shard_index,
+    expand_sources,
+    iter_shard_samples,
+)
+from nnh_data.streaming import ShardedStreamingDataset, merge_states, state_from_loader
 from nnh_data.transforms import PADDING_MODES, AugmentModule, AugmentParams, apply_augmentation
+from nnh_data.writer import write_shards
 
 __all__ = [
     "PADDING_MODES",
@@ -22,11 +32,21 @@ __all__ = [
     "AugmentationConfig",
     "DistributedRangeSplitter",
     "RankAwareSeedGenerator",
+    "ShardError",
+    "ShardIndex",
+    "ShardInfo",
+    "ShardedStreamingDataset",
     "apply_augmentation",
+    "build_shard_index",
+    "expand_sources",
     "gen_augmentation_params",
     "gen_augmentation_params_batch",
     "gen_distributed_augmentation_params",
     "get_preset",
+    "iter_shard_samples",
     "list_presets",
+    "merge_states",
+    "state_from_loader",
     "stream_distributed_augmentation_chain",
+    "write_shards",
 ]
