@@ -153,23 +153,30 @@ def gen_augmentation_params_batch(
     return out
 
 
-_ROW_KEYS = (*PARAM_NAMES, "sample_id", "rank", "epoch", "seed")
+def _row(
+    rotation: float, brightness: float, noise: float, scale: float, contrast: float,
+    sample_id: int, rank: int, epoch: int, seed: str,
+) -> dict[str, Any]:  # fmt: skip
+    """One sample's dict: ``PARAM_NAMES``, then sample_id, rank, epoch and seed."""
+    # A dict display is built presized in one step: about twice as fast as dict(zip(keys, ...)).
+    return {"rotation": rotation, "brightness": brightness, "noise": noise, "scale": scale,
+            "contrast": contrast, "sample_id": sample_id, "rank": rank, "epoch": epoch,
+            "seed": seed}  # fmt: skip
 
 
 def _rows(columns: dict[str, np.ndarray]) -> Iterator[dict[str, Any]]:
     """Per-sample dicts of Python scalars (hex seeds) from batch columns, built lazily.
 
-    The dicts are made by C-level ``map``/``zip`` rather than a Python loop: this runs once per
+    ``map`` drives :func:`_row` over the columns (no Python loop body): this runs once per
     streamed sample, so it sets the per-sample cost of the streaming datasets.
     """
-    n = len(columns["sample_id"])
-    if n == 0:
+    if len(columns["sample_id"]) == 0:
         return iter(())
     hexed = columns["seed"].astype(">u8").tobytes().hex()  # 16 digits per seed, as seed_hex
-    seeds = [hexed[i : i + 16] for i in range(0, 16 * n, 16)]
+    seeds = np.array(hexed).reshape(1).view("U16").tolist()  # cut into 16-digit strings
     values = [columns[name].tolist() for name in (*PARAM_NAMES, "sample_id")]
     rank, epoch = repeat(int(columns["rank"][0])), repeat(int(columns["epoch"][0]))
-    return map(dict, map(zip, repeat(_ROW_KEYS), zip(*values, rank, epoch, seeds)))
+    return map(_row, *values, rank, epoch, seeds)
 
 
 def gen_augmentation_params(
