@@ -14,9 +14,12 @@ key form one sample.
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 import tarfile
+from itertools import compress, repeat
+from operator import eq, ne
 from typing import NamedTuple
 
 import numpy as np
@@ -29,6 +32,21 @@ _HEADER = struct.Struct("100s24x12s20xc")
 _REGULAR = (b"0", b"\0", b"7")
 _SKIPPED = (b"1", b"2", b"3", b"4", b"5", b"6", b"K", b"V", b"M", b"N")
 _USTAR = b"ustar\0"
+_USTAR_BYTES = np.frombuffer(_USTAR, np.uint8)
+_MASK6 = (1 << 48) - 1  # the first 6 of 8 bytes (little-endian)
+_USTAR_U64 = int.from_bytes(_USTAR, "little")  # POSIX magic "ustar\0" (then a version)
+_GNU_U64 = int.from_bytes(b"ustar  \0", "little")  # GNU magic and version
+_DIGITS = 8.0 ** np.arange(10, -1, -1)  # place values of the 11 digits of a ustar size field
+_DIGITS_ZERO = 48 * _DIGITS.sum()  # what 11 "0" characters add up to, in those places
+_DIGITS_ZERO_6 = 48 * _DIGITS[-6:].sum()
+# octal digits as bytes: 0x30 to 0x37; 8 of them in a little-endian uint64
+_DIGIT_BITS = 0xF8F8F8F8F8F8F8F8
+_ZEROS = 0x3030303030303030
+_CHECKSUM_BITS = 0xFFFFF8F8F8F8F8F8  # 6 digits, NUL, space
+_CHECKSUM_FORMAT = 0x2000303030303030
+# a plain member name as the exact loop splits it: key (non-empty basename stem, not "__...")
+# and field (the rest of the basename); the NULs that follow it in a 101-byte name row
+_PLAIN_NAME = re.compile(r"(?!__)((?:[^\0/]*+/)*+[^\0/.]++)\.([^\0/]*+)\0++")
 _META = re.compile(r"__[^/]*__($|/)")
 _WDS_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 
@@ -83,7 +101,24 @@ def parse_samples(
     beyond ``buf``; ``stop`` then points at the headers of that member, so the caller can read
     on from there (``stop`` may lie beyond ``buf`` when data is skipped). Raises
     :class:`TarFormatError` on a bad header or a field repeated within a sample.
+
+    Blocks of plain ustar files take a vectorised path (:func:`_parse_plain`); anything else
+    (PAX or GNU headers, directories, unusual names, errors) the exact member loop
+    (:func:`parse_samples_loop`), which gives the same results.
+
+    >>> parse_samples(tar_bytes, 0, len(tar_bytes)).samples  # doctest: +SKIP
+    [{'__key__': '000000', 'cls': b'3', 'jpg': b'...'}, ...]
     """
+    plain = _parse_plain(buf, pos, limit, need_data, key)
+    if plain is not None:
+        return plain
+    return parse_samples_loop(buf, pos, limit, need_data=need_data, key=key)
+
+
+def parse_samples_loop(
+    buf: bytes, pos: int, limit: int, *, need_data: bool = True, key: str | None = None
+) -> Parsed:
+    """:func:`parse_samples` for any archive, one member at a time (~1.8 us per member)."""
     found = Parsed([], [], key, pos, False)
     heads: list[int] = []
     try:
@@ -167,6 +202,193 @@ def _parse(
     return found._replace(key=current, stop=pos)
 
 
+def _parse_plain(
+    buf: bytes, pos: int, limit: int, need_data: bool, key: str | None
+) -> Parsed | None:
+    """:func:`parse_samples` for a block of plain ustar files named ``key.field``, with numpy
+    and C-level maps instead of a loop over members; None when the block holds anything else
+    (the caller then runs the exact loop, which also raises the right errors)."""
+    if pos % BLOCK:
+        return None
+    blocks = _blocks(buf)
+    last = min(-(-limit // BLOCK), len(blocks))
+    heads, rows, sizes, after = _header_chain(blocks, pos // BLOCK, last)
+    stop, end = after * BLOCK, False
+    if after < last:  # not a ustar header: the end-of-archive marker, or something unusual
+        if buf[stop : stop + BLOCK] != ZERO_BLOCK:
+            return None
+        end = True
+    if not _plain_headers(rows):
+        return None
+    data = (heads + 1) * BLOCK
+    ends = data + sizes
+    count = len(heads)
+    if need_data and count and ends[-1] > len(buf):  # only the last member can be cut off
+        stop, end, count = int(heads[-1]) * BLOCK, False, count - 1
+    if not count:
+        return Parsed([], [], key, stop, end)
+    text = _name_text(rows[:count])
+    values = None
+    if need_data:
+        values = list(map(buf.__getitem__, map(slice, data.tolist(), ends.tolist())))
+    grouped = _group_regular(text, count, key, values) or _group_any(text, count, key, values)
+    if grouped is None:
+        return None
+    firsts, samples, key = grouped
+    starts = list(compress((heads * BLOCK).tolist(), firsts))
+    return Parsed(starts, samples, key, stop, end)
+
+
+def _header_chain(
+    blocks: np.ndarray, first: int, last: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Follow the member headers from block ``first`` while they lie before ``last`` and carry
+    the ustar magic: their block numbers, their rows, their sizes (for valid size fields) and
+    the block after the last.
+
+    Every block with the magic is found at once; usually they are exactly the chain (else,
+    when data looks like a header, the chain is walked in Python)."""
+    magic = blocks[first:last, 257:265].view("<u8")[:, 0]
+    heads = first + np.flatnonzero(((magic & _MASK6) == _USTAR_U64) | (magic == _GNU_U64))
+    rows = blocks.take(heads, axis=0)
+    sizes = (rows[:, 124:135].astype(np.float64) @ _DIGITS - _DIGITS_ZERO).astype(np.int64)
+    following = heads + 1 + np.maximum(-(-sizes // BLOCK), 0)
+    if not heads.size or heads[0] != first:
+        return heads[:0], rows[:0], sizes[:0], first
+    if (following[:-1] == heads[1:]).all():
+        return heads, rows, sizes, int(following[-1])
+    index = dict(zip(heads.tolist(), range(len(heads))))
+    after = following.tolist()
+    chain = []
+    b = first
+    while b < last and b in index:
+        chain.append(index[b])
+        b = after[index[b]]
+    return heads[chain], rows[chain], sizes[chain], b
+
+
+def _plain_headers(rows: np.ndarray) -> bool:
+    """Whether header ``rows`` are all regular files with an 11-digit octal size, no ustar
+    prefix in use and a right checksum."""
+    kind = rows[:, 156]
+    size_head = rows[:, 124:132].view("<u8")[:, 0]  # digits 1-8
+    size_tail = rows[:, 128:136].view("<u8")[:, 0]  # digits 5-11 and a NUL or space
+    magic = rows[:, 257:265].view("<u8")[:, 0]
+    return bool(
+        ((kind == 48) | (kind == 0) | (kind == 55)).all()
+        and ((size_head & _DIGIT_BITS) == _ZEROS).all()
+        and ((size_tail & (_DIGIT_BITS >> 8)) == _ZEROS >> 8).all()
+        and ((size_tail >> 56 | 32) == 32).all()
+        and ((rows[:, 345] == 0) | ((magic & _MASK6) != _USTAR_U64)).all()
+        and _checksums_ok(rows)
+    )
+
+
+def _checksums_ok(rows: np.ndarray) -> bool:
+    """Whether header ``rows`` have right checksums; quick for the usual "%06o\\0 " field."""
+    field = rows[:, 148:156].view("<u8")[:, 0]
+    if ((field & _CHECKSUM_BITS) == _CHECKSUM_FORMAT).all():
+        stored = rows[:, 148:154].astype(np.float64) @ _DIGITS[-6:] - _DIGITS_ZERO_6
+        computed = rows.sum(1, dtype=np.int64) - rows[:, 148:156].sum(1, dtype=np.int64) + 256
+        if (computed == stored).all():
+            return True
+    return not _bad_checksums(rows).size
+
+
+def _name_text(rows: np.ndarray) -> str:
+    """The names of header ``rows``, each followed by NULs (at least one), as one string."""
+    # a name ends at its first NUL: cut the rows after a column of NULs, or add one
+    width = next((w for w in (16, 32, 64) if not rows[:, w].any()), None)
+    if width is None:
+        names = np.zeros((len(rows), 101), np.uint8)
+        names[:, :100] = rows[:, :100]
+    else:
+        names = rows[:, : width + 1]
+    return names.tobytes().decode("utf-8", "surrogateescape")
+
+
+def _group_regular(
+    text: str, count: int, key: str | None, values: list[bytes] | None
+) -> tuple[list[bool], list[dict], str] | None:
+    """Group members into samples when all are whole samples with the same fields in the same
+    order (the usual layout) and a new key: one regular expression match per sample. None
+    otherwise. Returns where samples start (per member), the samples (with ``values``) and the
+    last key."""
+    fields = _first_fields(text)
+    width = len(fields)
+    parts = _sample_pattern(fields).split(text)
+    # one match per sample, back to back, each with a key unlike the one before
+    keys = parts[1::2]
+    if (
+        len(keys) * width != count
+        or any(parts[::2])
+        or any(map(eq, keys, [key, *keys[:-1]]))
+    ):
+        return None
+    names = ("__key__", *map(str.lower, fields))
+    if len(set(names)) <= width:
+        return None  # a field twice in each sample: the exact loop raises
+    firsts = [True, *repeat(False, width - 1)] * len(keys)
+    if values is None:
+        return firsts, [], keys[-1]
+    columns = [values[j::width] for j in range(width)]
+    return firsts, list(map(dict, map(zip, repeat(names), zip(keys, *columns)))), keys[-1]
+
+
+def _first_fields(text: str) -> tuple[str, ...]:
+    """The fields (as written) of the first sample in a names text, as far as they are plain."""
+    fields = []
+    first = None
+    end = 0
+    for match in _PLAIN_NAME.finditer(text):
+        name_key, field = match.groups()
+        first = first or name_key
+        if name_key != first or match.start() != end:
+            break
+        fields.append(field)
+        end = match.end()
+    return tuple(fields)
+
+
+@functools.lru_cache(maxsize=64)
+def _sample_pattern(fields: tuple[str, ...]) -> re.Pattern:
+    """Matches the names of one sample with these ``fields``; captures its key."""
+    rest = "".join(rf"\1\.{re.escape(field)}\0++" for field in fields[1:])
+    return re.compile(_PLAIN_NAME.pattern.replace(r"([^\0/]*+)", re.escape(fields[0]), 1) + rest)
+
+
+def _group_any(
+    text: str, count: int, key: str | None, values: list[bytes] | None
+) -> tuple[list[bool], list[dict], str] | None:
+    """Group members into samples one by one: members with the key of the member before
+    continue its sample (before the first new key: the one before ``text``). None when a name
+    is not plain ``key.field`` or a field repeats within a sample."""
+    parts = _PLAIN_NAME.split(text)
+    if len(parts) != 3 * count + 1 or any(parts[::3]):  # one match per row, back to back
+        return None
+    keys = parts[1::3]
+    fields = list(map(str.lower, parts[2::3]))
+    firsts = list(map(ne, keys, [key, *keys[:-1]]))
+    bounds = [*compress(range(count), firsts), count]
+    head = fields[: bounds[0]]
+    if len(set(head)) < len(head):
+        return None
+    samples: list[dict] = []
+    for a, b in zip(bounds, bounds[1:]):
+        sample = {"__key__": keys[a]}
+        sample.update(zip(fields[a:b], values[a:b] if values else repeat(None)))
+        if len(sample) <= b - a:
+            return None
+        if values:
+            samples.append(sample)
+    return firsts, samples, keys[-1]
+
+
+def _blocks(buf: bytes) -> np.ndarray:
+    """``buf`` as a (n, 512) uint8 array of its whole blocks (no copy)."""
+    return np.frombuffer(buf, np.uint8, count=len(buf) // BLOCK * BLOCK).reshape(-1, BLOCK)
+
+
 def _number(field: bytes) -> int:
     """A numeric header field in GNU base-256 or octal that ``int`` cannot parse directly."""
     try:
@@ -203,15 +425,21 @@ def check_checksums(buf: bytes, heads: list[int]) -> None:
     """Verify the checksums of the headers at ``heads`` (512-byte aligned) in one pass."""
     if not heads:
         return
-    blocks = np.frombuffer(buf, np.uint8, count=len(buf) // BLOCK * BLOCK).reshape(-1, BLOCK)
-    rows = blocks.take(np.asarray(heads) >> 9, axis=0)
+    bad = _bad_checksums(_blocks(buf).take(np.asarray(heads) >> 9, axis=0))
+    if bad.size:
+        raise TarFormatError(heads[bad[0]], "bad tar header checksum")
+
+
+def _bad_checksums(rows: np.ndarray) -> np.ndarray:
+    """The indices of the header ``rows`` whose checksum is wrong."""
     field = rows[:, 148:156]
     computed = rows.sum(1, dtype=np.uint32).astype(np.int64) - field.sum(1, dtype=np.int64) + 256
-    for row in np.flatnonzero(computed != _octal_columns(field)):
-        block = rows[row].view(np.int8)  # some writers sum signed bytes
-        signed = block.sum(dtype=np.int64) - block[148:156].sum(dtype=np.int64) + 8 * 32
-        if signed != _octal_columns(field[row : row + 1])[0]:
-            raise TarFormatError(heads[row], "bad tar header checksum")
+    suspects = np.flatnonzero(computed != _octal_columns(field))
+    if not suspects.size:
+        return suspects
+    block = rows[suspects].view(np.int8)  # some writers sum signed bytes
+    signed = block.sum(1, dtype=np.int64) - block[:, 148:156].sum(1, dtype=np.int64) + 8 * 32
+    return suspects[signed != _octal_columns(field[suspects])]
 
 
 def _octal_columns(field: np.ndarray) -> np.ndarray:
