@@ -28,8 +28,10 @@ from __future__ import annotations
 import copy
 import os
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from operator import itemgetter
 from typing import Any
 
@@ -360,8 +362,7 @@ class ShardedStreamingDataset(IterableDataset):
             samples.extend(decode_shard_range(info, payload, start, stop))
         except ShardError as exc:
             self._skip(info.url, exc, stop - start - len(samples))
-        for sample in samples:
-            sample["__shard__"] = info.url
+        deque(map(dict.__setitem__, samples, repeat("__shard__"), repeat(info.url)), maxlen=0)
         samples.extend([None] * (stop - start - len(samples)))
         return samples
 
