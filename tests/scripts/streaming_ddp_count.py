@@ -6,6 +6,7 @@ saw every sample exactly once. Prints one JSON line per rank; exits non-zero on 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import timedelta
 
@@ -34,7 +35,8 @@ def main(source: str) -> int:
     dist.all_gather_object(everything, seen)
     union = sorted(i for part in everything for i in part)
     ok = counts[0] == counts[1] == batches and union == list(range(ds.total_samples))
-    print(json.dumps({"rank": rank, "world": ds.world_size, "batches": batches, "ok": bool(ok)}))
+    report = {"rank": rank, "world": ds.world_size, "batches": batches, "ok": bool(ok)}
+    os.write(1, (json.dumps(report) + "\n").encode())  # one write: ranks share the pipe
     dist.destroy_process_group()
     return 0 if ok else 1
 
