@@ -32,7 +32,7 @@ _HEADER = struct.Struct("100s24x12s20xc")
 _REGULAR = (b"0", b"\0", b"7")
 _SKIPPED = (b"1", b"2", b"3", b"4", b"5", b"6", b"K", b"V", b"M", b"N")
 _USTAR = b"ustar\0"
-_USTAR_BYTES = np.frombuffer(_USTAR, np.uint8)
+_SKIPPED_CODES = np.frombuffer(b"".join(_SKIPPED) + b"g", np.uint8)  # as typeflag bytes
 _MASK6 = (1 << 48) - 1  # the first 6 of 8 bytes (little-endian)
 _USTAR_U64 = int.from_bytes(_USTAR, "little")  # POSIX magic "ustar\0" (then a version)
 _GNU_U64 = int.from_bytes(b"ustar  \0", "little")  # GNU magic and version
@@ -218,8 +218,11 @@ def _parse_plain(
         if buf[stop : stop + BLOCK] != ZERO_BLOCK:
             return None
         end = True
-    if not _plain_headers(rows):
+    files = _plain_files(rows)
+    if files is None:
         return None
+    if not files.all():
+        heads, rows, sizes = heads[files], rows[files], sizes[files]
     data = (heads + 1) * BLOCK
     ends = data + sizes
     count = len(heads)
@@ -267,21 +270,24 @@ def _header_chain(
     return heads[chain], rows[chain], sizes[chain], b
 
 
-def _plain_headers(rows: np.ndarray) -> bool:
-    """Whether header ``rows`` are all regular files with an 11-digit octal size, no ustar
-    prefix in use and a right checksum."""
+def _plain_files(rows: np.ndarray) -> np.ndarray | None:
+    """Which header ``rows`` are regular files, when the others are skipped types (such as
+    directories) and all have an 11-digit octal size, no ustar prefix in use and a right
+    checksum; else None."""
     kind = rows[:, 156]
+    files = (kind == 48) | (kind == 0) | (kind == 55)
     size_head = rows[:, 124:132].view("<u8")[:, 0]  # digits 1-8
     size_tail = rows[:, 128:136].view("<u8")[:, 0]  # digits 5-11 and a NUL or space
     magic = rows[:, 257:265].view("<u8")[:, 0]
-    return bool(
-        ((kind == 48) | (kind == 0) | (kind == 55)).all()
+    plain = (
+        (files | np.isin(kind, _SKIPPED_CODES)).all()
         and ((size_head & _DIGIT_BITS) == _ZEROS).all()
         and ((size_tail & (_DIGIT_BITS >> 8)) == _ZEROS >> 8).all()
         and ((size_tail >> 56 | 32) == 32).all()
-        and ((rows[:, 345] == 0) | ((magic & _MASK6) != _USTAR_U64)).all()
+        and ((rows[:, 345] == 0) | ~files | ((magic & _MASK6) != _USTAR_U64)).all()
         and _checksums_ok(rows)
     )
+    return files if plain else None
 
 
 def _checksums_ok(rows: np.ndarray) -> bool:
@@ -316,6 +322,8 @@ def _group_regular(
     last key."""
     fields = _first_fields(text)
     width = len(fields)
+    if not width:
+        return None
     parts = _sample_pattern(fields).split(text)
     # one match per sample, back to back, each with a key unlike the one before
     keys = parts[1::2]

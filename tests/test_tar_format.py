@@ -4,11 +4,19 @@ import io
 import tarfile
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
-from nnh_data.tar_format import TarFormatError, parse_samples, split_name
+from nnh_data.tar_format import (
+    BLOCK,
+    Parsed,
+    TarFormatError,
+    _parse_plain,
+    parse_samples,
+    parse_samples_loop,
+    split_name,
+)
 
 
 def tar_bytes(members, *, format=tarfile.PAX_FORMAT, pax_headers=None) -> bytes:
@@ -126,3 +134,78 @@ def test_garbage_is_a_format_error():
 def test_split_name_matches_webdataset(path):
     key, field = base_plus_ext(path)
     assert split_name(path) == (key, field.lower() if key is not None else "")
+
+
+# The vectorised path for plain ustar blocks must give what the member loop gives, errors included.
+KEYS = ["000001", "000002", "a/b", "x.y/z", "A_B", "__k__", "__m__/q", "", ".h", "n" * 90]
+EXTS = [".bin", ".BIN", ".cls", ".seg.png", ".txt", ".__key__", ""]
+SIZES = [0, 1, 511, 512, 513, 1024, 3000]
+
+
+@st.composite
+def archives(draw, formats=(tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT), keys=KEYS, exts=EXTS):
+    """The members of a tar archive of samples, maybe with a directory, and its format:
+    arguments of :func:`tar_bytes`."""
+    members = []
+    if draw(st.booleans()):  # mostly names that the fast path takes
+        keys, exts = keys[:5], [ext for ext in exts[:5] if ext != ".BIN"]
+    unique = draw(st.integers(0, 3)) > 0  # else consecutive samples may share a key
+    for key in draw(st.lists(st.sampled_from(keys), min_size=1, max_size=8, unique=unique)):
+        for ext in draw(st.lists(st.sampled_from(exts), min_size=1, max_size=3, unique=True)):
+            members.append((key + ext, bytes([len(members)]) * draw(st.sampled_from(SIZES))))
+    if draw(st.integers(0, 9)) == 0:
+        members.insert(draw(st.integers(0, len(members))), ("dir", None))
+    return members, draw(st.sampled_from(formats))
+
+
+def outcome(parse, buf, pos, limit, need_data, key):
+    try:
+        return parse(buf, pos, limit, need_data=need_data, key=key)
+    except TarFormatError as exc:
+        return exc.offset, exc.reason
+
+
+@settings(max_examples=500, deadline=None)
+@given(archives(), st.data())
+def test_fast_path_matches_the_member_loop(archive, data):
+    members, form = archive
+    buf = tar_bytes(members, format=form)
+    if data.draw(st.integers(0, 3)) == 0:  # corrupt a byte: a header, its checksum, data, the end
+        at = data.draw(st.integers(0, len(buf) - 1))
+        buf = buf[:at] + bytes([buf[at] ^ data.draw(st.integers(1, 255))]) + buf[at + 1 :]
+    if data.draw(st.integers(0, 2)) == 0:
+        buf = buf[: data.draw(st.integers(0, len(buf)))]  # truncated
+    pos = 0
+    if data.draw(st.integers(0, 2)) == 0:
+        pos = BLOCK * data.draw(st.integers(0, len(buf) // BLOCK))
+    limit = data.draw(st.integers(pos, len(buf) + 2 * BLOCK) | st.just(len(buf)))
+    need_data = data.draw(st.booleans())
+    key = data.draw(st.sampled_from([None, *KEYS]))
+    args = (buf, pos, limit, need_data, key)
+    assert outcome(parse_samples, *args) == outcome(parse_samples_loop, *args)
+
+
+@settings(max_examples=50, deadline=None)
+@given(archives(formats=(tarfile.USTAR_FORMAT,), keys=KEYS[:5], exts=EXTS[:5]))
+def test_fast_path_takes_plain_archives_and_matches_webdataset(archive):
+    members, form = archive
+    buf = tar_bytes(members, format=form)
+    assume(isinstance(outcome(parse_samples_loop, buf, 0, len(buf), True, None), Parsed))
+    parsed = _parse_plain(buf, 0, len(buf), True, None)  # not a fall back to the loop
+    assert parsed is not None and parsed.end
+    assert parsed.samples == webdataset_samples(buf)
+
+
+def test_fast_path_in_pieces_carries_keys_like_the_member_loop():
+    members = [(f"{i // 3:04d}.{ext}", bytes(i % 700)) for i, ext in enumerate(["a", "b", "c"] * 9)]
+    buf = tar_bytes(members, format=tarfile.USTAR_FORMAT)
+    for need_data in (True, False):
+        for piece in (1, 2, 5, 7, 64):  # blocks per call: samples cut anywhere
+            pos, key = 0, None
+            while True:
+                limit = pos + piece * BLOCK
+                fast = _parse_plain(buf, pos, limit, need_data, key)
+                assert fast == parse_samples_loop(buf, pos, limit, need_data=need_data, key=key)
+                if fast.end:
+                    break
+                pos, key = fast.stop, fast.key
