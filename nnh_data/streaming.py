@@ -32,7 +32,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -67,6 +66,7 @@ __all__ = ["ShardedStreamingDataset", "dist_info", "merge_states", "state_from_l
 STATE_VERSION = 1
 _READ_BYTES = 8 << 20
 _GROUP = 1024  # samples emitted per group without shuffle
+_DONE = object()  # end marker of _picked
 _ON_ERROR = ("raise", "skip")
 _LOCAL_PROTOCOLS = ("file", "local", "memory")
 _REMOTE_READAHEAD = 2
@@ -289,8 +289,7 @@ class ShardedStreamingDataset(IterableDataset):
         for group in _groups(positions, self.window or _GROUP):
             concat = order.concat_positions(group)
             lo = int(concat.min())
-            buf = cursor.take(lo, int(concat.max()) + 1)
-            picked = itemgetter(*(concat - lo).tolist())(buf) if len(concat) > 1 else (buf[0],)
+            picked = _picked(cursor.take(lo, int(concat.max()) + 1), (concat - lo).tolist())
             ids = order.ids_at_concat(concat)
             for sample, gid, aug in zip(picked, ids.tolist(), self._params(ids)):
                 run.consumed += 1
@@ -392,9 +391,17 @@ def _groups(positions: Intervals, size: int) -> Iterator[np.ndarray]:
         yield np.concatenate(pending)
 
 
+def _picked(samples: list, indices: list[int]) -> Iterator:
+    """``samples[i] for i in indices``, letting go of each sample as it is handed out: the
+    memory of consumed samples is then reused while it is still in cache."""
+    stack = [_DONE]
+    stack += map(samples.__getitem__, reversed(indices))
+    return iter(stack.pop, _DONE)
+
+
 class _Cursor:
     """The samples of a stream of ``(concat start, samples)`` blocks, taken by increasing
-    concat ranges; blocks before a range are dropped."""
+    concat ranges; samples are let go of once taken."""
 
     def __init__(self, blocks: Iterator[tuple[int, list]]) -> None:
         self._blocks = blocks
@@ -411,6 +418,8 @@ class _Cursor:
             piece = self._samples[lo - self._lo : hi - self._lo]
             out = out + piece if out else piece
             lo += len(piece)
+        del self._samples[: lo - self._lo]
+        self._lo = lo
         return out
 
 
