@@ -35,10 +35,11 @@ _USTAR = b"ustar\0"
 _SKIPPED_CODES = np.frombuffer(b"".join(_SKIPPED) + b"g", np.uint8)  # as typeflag bytes
 _MASK6 = (1 << 48) - 1  # the first 6 of 8 bytes (little-endian)
 _USTAR_U64 = int.from_bytes(_USTAR, "little")  # POSIX magic "ustar\0" (then a version)
-_GNU_U64 = int.from_bytes(b"ustar  \0", "little")  # GNU magic and version
+# header bytes 256-263 (aligned) hold "ustar" from byte 257 in POSIX and GNU headers
+_MAGIC_BITS, _MAGIC = 0xFFFFFFFFFF << 8, int.from_bytes(b"ustar", "little") << 8
 _DIGITS = 8.0 ** np.arange(10, -1, -1)  # place values of the 11 digits of a ustar size field
 _DIGITS_ZERO = 48 * _DIGITS.sum()  # what 11 "0" characters add up to, in those places
-_DIGITS_ZERO_6 = 48 * _DIGITS[-6:].sum()
+_CHECKSUM_DIGITS = np.stack([_DIGITS[-6:], np.ones(6)], axis=1)  # its value, its digit sum
 # octal digits as bytes: 0x30 to 0x37; 8 of them in a little-endian uint64
 _DIGIT_BITS = 0xF8F8F8F8F8F8F8F8
 _ZEROS = 0x3030303030303030
@@ -238,7 +239,7 @@ def _parse_plain(
     if grouped is None:
         return None
     firsts, samples, key = grouped
-    starts = list(compress((heads * BLOCK).tolist(), firsts))
+    starts = (heads[:count][firsts] * BLOCK).tolist()
     return Parsed(starts, samples, key, stop, end)
 
 
@@ -251,8 +252,8 @@ def _header_chain(
 
     Every block with the magic is found at once; usually they are exactly the chain (else,
     when data looks like a header, the chain is walked in Python)."""
-    magic = blocks[first:last, 257:265].view("<u8")[:, 0]
-    heads = first + np.flatnonzero(((magic & _MASK6) == _USTAR_U64) | (magic == _GNU_U64))
+    magic = blocks[first:last, 256:264].view("<u8")[:, 0]
+    heads = first + np.flatnonzero((magic & _MAGIC_BITS) == _MAGIC)
     rows = blocks.take(heads, axis=0)
     sizes = (rows[:, 124:135].astype(np.float64) @ _DIGITS - _DIGITS_ZERO).astype(np.int64)
     following = heads + 1 + np.maximum(-(-sizes // BLOCK), 0)
@@ -294,8 +295,10 @@ def _checksums_ok(rows: np.ndarray) -> bool:
     """Whether header ``rows`` have right checksums; quick for the usual "%06o\\0 " field."""
     field = rows[:, 148:156].view("<u8")[:, 0]
     if ((field & _CHECKSUM_BITS) == _CHECKSUM_FORMAT).all():
-        stored = rows[:, 148:154].astype(np.float64) @ _DIGITS[-6:] - _DIGITS_ZERO_6
-        computed = rows.sum(1, dtype=np.int64) - rows[:, 148:156].sum(1, dtype=np.int64) + 256
+        digits = rows[:, 148:154].astype(np.float64) - 48
+        stored, digit_sum = (digits @ _CHECKSUM_DIGITS).T
+        # the sum of the header bytes with the checksum field as 8 spaces
+        computed = rows.sum(1, dtype=np.uint32) - (digit_sum + 6 * 48 + 32) + 8 * 32
         if (computed == stored).all():
             return True
     return not _bad_checksums(rows).size
@@ -336,7 +339,7 @@ def _group_regular(
     names = ("__key__", *map(str.lower, fields))
     if len(set(names)) <= width:
         return None  # a field twice in each sample: the exact loop raises
-    firsts = [True, *repeat(False, width - 1)] * len(keys)
+    firsts = slice(None, None, width)
     if values is None:
         return firsts, [], keys[-1]
     columns = [values[j::width] for j in range(width)]
@@ -376,8 +379,8 @@ def _group_any(
         return None
     keys = parts[1::3]
     fields = list(map(str.lower, parts[2::3]))
-    firsts = list(map(ne, keys, [key, *keys[:-1]]))
-    bounds = [*compress(range(count), firsts), count]
+    firsts = list(compress(range(count), map(ne, keys, [key, *keys[:-1]])))
+    bounds = [*firsts, count]
     head = fields[: bounds[0]]
     if len(set(head)) < len(head):
         return None
