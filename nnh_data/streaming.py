@@ -125,9 +125,10 @@ class ShardedStreamingDataset(IterableDataset):
     filesystems and 0 for local and in-memory ones, where a thread only adds hand-off cost. With
     ``on_error="skip"`` unreadable shards and samples are left out, counted in
     ``error_counts`` (per shard URL, per process) and warned about once per shard; the rank
-    then yields fewer than ``len()`` samples. With DataLoader workers, take and restore the
-    state through torchdata's ``StatefulDataLoader``: the dataset object in the main process
-    does not see its workers' progress.
+    then yields fewer than ``len()`` samples; a shard found unreadable while indexing ``source``
+    is kept with 0 samples instead (its ``ShardInfo.error`` set). With DataLoader workers, take
+    and restore the state through torchdata's ``StatefulDataLoader``: the dataset object in the
+    main process does not see its workers' progress.
 
     Example:
         >>> ds = ShardedStreamingDataset("data/train-{000000..000009}.tar")  # doctest: +SKIP
@@ -157,11 +158,16 @@ class ShardedStreamingDataset(IterableDataset):
         storage_options: dict[str, Any] | None = None,
         index_path: str | None = None,
     ) -> None:
+        self.on_error = check_choice("on_error", on_error, _ON_ERROR)
         if isinstance(source, ShardIndex):
             self.index = source
         else:
             self.index = build_shard_index(
-                source, format=format, storage_options=storage_options, index_path=index_path
+                source,
+                format=format,
+                storage_options=storage_options,
+                index_path=index_path,
+                on_error=on_error,
             )
         self.rank, self.world_size = dist_info(rank, world_size)
         self.seed = check_int("seed", seed, low=0)
@@ -171,7 +177,6 @@ class ShardedStreamingDataset(IterableDataset):
             readahead = 0 if _is_local(self.index) else _REMOTE_READAHEAD
         self.readahead = check_int("readahead", readahead, low=0)
         self.uneven = check_choice("uneven", uneven, UNEVEN)
-        self.on_error = check_choice("on_error", on_error, _ON_ERROR)
         self.aug_config = aug_config
         self.rank_aware_params = bool(rank_aware_params)
         self.decode = decode

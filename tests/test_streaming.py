@@ -215,6 +215,17 @@ def test_skip_counts_and_warns_once_per_shard(tar_shards, parquet_shards):
     assert ds.error_counts == {pq_urls[0]: 6}
 
 
+def test_skip_keeps_a_shard_found_unreadable_while_indexing(tar_shards):
+    urls = tar_shards([4, 4, 4])
+    _truncate(urls[1], 512 * 5)
+    with pytest.raises(ShardError, match=r"shard-000001\.tar"):
+        ShardedStreamingDataset(urls, shuffle=False)
+    with pytest.warns(UserWarning, match="shard-000001"):
+        ds = ShardedStreamingDataset(urls, shuffle=False, on_error="skip")
+    assert ds.index.shards[1].num_samples == 0 and ds.index.shards[1].error
+    assert [s["__index__"] for s in ds] == list(range(8))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
