@@ -2,10 +2,13 @@
 
 Python's ``tarfile`` builds a ``TarInfo`` per member and reads through a file object, which caps
 it (and webdataset on top of it) at ~11k small samples/s. Here a shard's byte range is read in
-one block and members are sliced out of it; the per-member work is one ``struct`` unpack and a
-few slices. Header checksums are verified for a whole block at once with numpy. POSIX ustar,
-PAX extended headers ('x' per member, 'g' global: skipped) and GNU long names ('L') are handled;
-directories, links and webdataset metadata members (``__name__``) are skipped.
+one block and members are sliced out of it. Blocks of plain ustar (or GNU) files named
+``key.field``, as :mod:`nnh_data.writer` writes them, take a vectorised path: the headers are
+found, checked and their names split for the whole block at once with numpy and one regular
+expression match per sample (2-4x less time per sample). Anything else takes an exact loop, one
+``struct`` unpack and a few slices per member: POSIX ustar, PAX extended headers ('x' per
+member, 'g' global: skipped) and GNU long names ('L') are handled; directories, links and
+webdataset metadata members (``__name__``) are skipped. Both give the same results and errors.
 
 Sample grouping follows ``webdataset.tariterators``: the key is the path up to the first dot of
 its basename, the field is the rest of the name, lower-cased; consecutive members with the same
@@ -45,9 +48,10 @@ _DIGIT_BITS = 0xF8F8F8F8F8F8F8F8
 _ZEROS = 0x3030303030303030
 _CHECKSUM_BITS = 0xFFFFF8F8F8F8F8F8  # 6 digits, NUL, space
 _CHECKSUM_FORMAT = 0x2000303030303030
-# a plain member name as the exact loop splits it: key (non-empty basename stem, not "__...")
-# and field (the rest of the basename); the NULs that follow it in a 101-byte name row
-_PLAIN_NAME = re.compile(r"(?!__)((?:[^\0/]*+/)*+[^\0/.]++)\.([^\0/]*+)\0++")
+# a plain member name as the exact loop splits it, with the NULs after it in its name field:
+# the key (up to a non-empty basename stem; not "__...") and the field (the rest of the basename)
+_PLAIN_KEY = r"(?!__)((?:[^\0/]*+/)*+[^\0/.]++)"
+_PLAIN_NAME = re.compile(_PLAIN_KEY + r"\.([^\0/]*+)\0++")
 _META = re.compile(r"__[^/]*__($|/)")
 _WDS_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 
@@ -318,10 +322,10 @@ def _name_text(rows: np.ndarray) -> str:
 
 def _group_regular(
     text: str, count: int, key: str | None, values: list[bytes] | None
-) -> tuple[list[bool], list[dict], str] | None:
+) -> tuple[slice, list[dict], str] | None:
     """Group members into samples when all are whole samples with the same fields in the same
-    order (the usual layout) and a new key: one regular expression match per sample. None
-    otherwise. Returns where samples start (per member), the samples (with ``values``) and the
+    order (the usual layout) and a new key: one regular expression match per sample; None
+    otherwise. Returns the members that start samples, the samples (with ``values``) and the
     last key."""
     fields = _first_fields(text)
     width = len(fields)
@@ -364,13 +368,13 @@ def _first_fields(text: str) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=64)
 def _sample_pattern(fields: tuple[str, ...]) -> re.Pattern:
     """Matches the names of one sample with these ``fields``; captures its key."""
-    rest = "".join(rf"\1\.{re.escape(field)}\0++" for field in fields[1:])
-    return re.compile(_PLAIN_NAME.pattern.replace(r"([^\0/]*+)", re.escape(fields[0]), 1) + rest)
+    names = "\\1".join(rf"\.{re.escape(field)}\0++" for field in fields)
+    return re.compile(_PLAIN_KEY + names)
 
 
 def _group_any(
     text: str, count: int, key: str | None, values: list[bytes] | None
-) -> tuple[list[bool], list[dict], str] | None:
+) -> tuple[list[int], list[dict], str] | None:
     """Group members into samples one by one: members with the key of the member before
     continue its sample (before the first new key: the one before ``text``). None when a name
     is not plain ``key.field`` or a field repeats within a sample."""
@@ -387,10 +391,10 @@ def _group_any(
     samples: list[dict] = []
     for a, b in zip(bounds, bounds[1:]):
         sample = {"__key__": keys[a]}
-        sample.update(zip(fields[a:b], values[a:b] if values else repeat(None)))
+        sample.update(zip(fields[a:b], repeat(None) if values is None else values[a:b]))
         if len(sample) <= b - a:
             return None
-        if values:
+        if values is not None:
             samples.append(sample)
     return firsts, samples, keys[-1]
 
