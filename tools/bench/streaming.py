@@ -6,7 +6,7 @@ samples/s of nnh tar streaming, ``webdataset.WebDataset`` and ``tarfile`` (ratio
 ``pyarrow`` ``iter_batches`` + ``to_pylist`` (``parquet_vs_pyarrow``); seconds to the first
 sample with 10,000 indexed shards of 10 samples (index sidecar on disk); peak RSS of a process
 streaming 1x and 10x the samples (``rss_growth`` = 10x / 1x - 1). Rates are the best of a few
-runs.
+rounds in which a figure and its baselines take turns.
 
     .venv/bin/python tools/bench/streaming.py [--samples 20000]
 """
@@ -54,13 +54,18 @@ def write_parquet(folder: str, count: int) -> list[str]:
     return paths
 
 
-def best_rate(fn, repeats: int) -> float:
-    """Best items/s of ``fn()`` (which returns the item count) over ``repeats`` runs."""
-    best = 0.0
+def best_rates(fns: dict, repeats: int) -> dict[str, float]:
+    """Best items/s of each ``fn()`` (which returns the item count) over ``repeats`` rounds.
+
+    The functions take turns within a round, so that a change in machine load between rounds
+    affects a figure and its baseline alike.
+    """
+    best = dict.fromkeys(fns, 0.0)
     for _ in range(repeats):
-        start = time.perf_counter()
-        count = fn()
-        best = max(best, count / (time.perf_counter() - start))
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            count = fn()
+            best[name] = max(best[name], count / (time.perf_counter() - start))
     return best
 
 
@@ -123,14 +128,23 @@ def main() -> None:
         urls = sorted(glob.glob(f"{tmp}/tar/train-*.tar"))
         few = urls[: max(1, len(urls) // 4)]  # the slow baselines read a quarter
         index = build_shard_index(urls)
-        nnh_tar = best_rate(lambda: sum(1 for _ in ShardedStreamingDataset(index)), 3)
-        webdataset = best_rate(lambda: sum(1 for _ in wds.WebDataset(few, shardshuffle=False)), 2)
-        tarfile_rate = best_rate(lambda: tarfile_count(few), 2)
-
+        tar = best_rates(
+            {
+                "nnh": lambda: sum(1 for _ in ShardedStreamingDataset(index)),
+                "webdataset": lambda: sum(1 for _ in wds.WebDataset(few, shardshuffle=False)),
+                "tarfile": lambda: tarfile_count(few),
+            },
+            3,
+        )
         paths = write_parquet(f"{tmp}/parquet", n)
         pq_index = build_shard_index(paths)
-        nnh_parquet = best_rate(lambda: sum(1 for _ in ShardedStreamingDataset(pq_index)), 3)
-        raw_parquet = best_rate(lambda: pyarrow_count(paths), 3)
+        parquet = best_rates(
+            {
+                "nnh": lambda: sum(1 for _ in ShardedStreamingDataset(pq_index)),
+                "pyarrow": lambda: pyarrow_count(paths),
+            },
+            5,
+        )
 
         write_shards(samples(SHARDS_MANY * 10), f"{tmp}/many/s-%06d.tar", max_count=10)
         build_shard_index(f"{tmp}/many/s-*.tar")  # the sidecar a training job finds on disk
@@ -143,14 +157,14 @@ def main() -> None:
     result = {
         "samples": n,
         "sample_bytes": SAMPLE_BYTES,
-        "nnh_tar_samples_per_s": round(nnh_tar),
-        "webdataset_samples_per_s": round(webdataset),
-        "tarfile_samples_per_s": round(tarfile_rate),
-        "tar_vs_webdataset": round(nnh_tar / webdataset, 2),
-        "tar_vs_tarfile": round(nnh_tar / tarfile_rate, 2),
-        "nnh_parquet_samples_per_s": round(nnh_parquet),
-        "pyarrow_rows_per_s": round(raw_parquet),
-        "parquet_vs_pyarrow": round(nnh_parquet / raw_parquet, 2),
+        "nnh_tar_samples_per_s": round(tar["nnh"]),
+        "webdataset_samples_per_s": round(tar["webdataset"]),
+        "tarfile_samples_per_s": round(tar["tarfile"]),
+        "tar_vs_webdataset": round(tar["nnh"] / tar["webdataset"], 2),
+        "tar_vs_tarfile": round(tar["nnh"] / tar["tarfile"], 2),
+        "nnh_parquet_samples_per_s": round(parquet["nnh"]),
+        "pyarrow_rows_per_s": round(parquet["pyarrow"]),
+        "parquet_vs_pyarrow": round(parquet["nnh"] / parquet["pyarrow"], 2),
         "first_sample_s_10000_shards": round(first, 3),
         "peak_rss_mib_1x": round(rss_1x, 1),
         "peak_rss_mib_10x": round(rss_10x, 1),
