@@ -239,7 +239,7 @@ def _parse_plain(
     values = None
     if need_data:
         values = list(map(buf.__getitem__, map(slice, data.tolist(), ends.tolist())))
-    grouped = _group_regular(text, count, key, values) or _group_any(text, count, key, values)
+    grouped = _group(text, count, key, values)
     if grouped is None:
         return None
     firsts, samples, key = grouped
@@ -320,34 +320,51 @@ def _name_text(rows: np.ndarray) -> str:
     return names.tobytes().decode("utf-8", "surrogateescape")
 
 
-def _group_regular(
+def _group(
     text: str, count: int, key: str | None, values: list[bytes] | None
-) -> tuple[slice, list[dict], str] | None:
-    """Group members into samples when all are whole samples with the same fields in the same
-    order (the usual layout) and a new key: one regular expression match per sample; None
-    otherwise. Returns the members that start samples, the samples (with ``values``) and the
-    last key."""
-    fields = _first_fields(text)
-    width = len(fields)
-    if not width:
-        return None
-    parts = _sample_pattern(fields).split(text)
-    # one match per sample, back to back, each with a key unlike the one before
-    keys = parts[1::2]
-    if (
-        len(keys) * width != count
-        or any(parts[::2])
-        or any(map(eq, keys, [key, *keys[:-1]]))
-    ):
-        return None
+) -> tuple[list[int], list[dict], str | None] | None:
+    """Group members (their names in ``text``, their data in ``values`` when read) into
+    samples: the members that start one, the samples and the last key; None when the exact loop
+    must decide (a name that is not plain ``key.field``, a field repeated within a sample).
+
+    Whole samples with the fields of the first one, in the same order (the usual layout), take
+    one regular expression match each; members that continue the sample before ``text`` (key
+    ``key``) and those after the last such sample go one by one."""
+    head, head_end = _continuing(text, key)
+    body = text[head_end:]
+    fields = _first_fields(body)
+    parts = _sample_pattern(fields).split(body) if fields else [body]
+    keys = parts[1:-1:2]  # one match per sample, back to back, keys unlike the one before
+    if not keys or parts[0] or any(parts[2:-1:2]) or any(map(eq, keys, [key, *keys[:-1]])):
+        return _group_any(text, count, key, values)
     names = ("__key__", *map(str.lower, fields))
-    if len(set(names)) <= width:
-        return None  # a field twice in each sample: the exact loop raises
-    firsts = slice(None, None, width)
-    if values is None:
-        return firsts, [], keys[-1]
-    columns = [values[j::width] for j in range(width)]
-    return firsts, list(map(dict, map(zip, repeat(names), zip(keys, *columns)))), keys[-1]
+    width = len(fields)
+    done = head + len(keys) * width
+    rest = None if values is None else values[done:]
+    tail = _group_any(parts[-1], count - done, keys[-1], rest)
+    if (
+        len(set(names)) <= width  # a field twice in a sample
+        or _group_any(text[:head_end], head, key, None) is None
+        or tail is None
+        or (done < count and tail[0][:1] != [0])  # the tail continues the last sample
+    ):
+        return _group_any(text, count, key, values)
+    firsts = [*range(head, done, width), *(done + first for first in tail[0])]
+    samples = []
+    if values is not None:
+        columns = [values[j:done:width] for j in range(head, head + width)]
+        samples = list(map(dict, map(zip, repeat(names), zip(keys, *columns))))
+    return firsts, samples + tail[1], tail[2]
+
+
+def _continuing(text: str, key: str | None) -> tuple[int, int]:
+    """How many names at the start of ``text`` have the key ``key``, and where they end."""
+    count = end = 0
+    for match in _PLAIN_NAME.finditer(text):
+        if match.start() != end or match.group(1) != key:
+            break
+        count, end = count + 1, match.end()
+    return count, end
 
 
 def _first_fields(text: str) -> tuple[str, ...]:
@@ -374,10 +391,11 @@ def _sample_pattern(fields: tuple[str, ...]) -> re.Pattern:
 
 def _group_any(
     text: str, count: int, key: str | None, values: list[bytes] | None
-) -> tuple[list[int], list[dict], str] | None:
-    """Group members into samples one by one: members with the key of the member before
-    continue its sample (before the first new key: the one before ``text``). None when a name
-    is not plain ``key.field`` or a field repeats within a sample."""
+) -> tuple[list[int], list[dict], str | None] | None:
+    """:func:`_group` one member at a time: members with the key of the member before continue
+    its sample (before the first: ``key``)."""
+    if not count:
+        return [], [], key
     parts = _PLAIN_NAME.split(text)
     if len(parts) != 3 * count + 1 or any(parts[::3]):  # one match per row, back to back
         return None
