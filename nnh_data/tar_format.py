@@ -35,7 +35,10 @@ _HEADER = struct.Struct("100s24x12s20xc")
 _REGULAR = (b"0", b"\0", b"7")
 _SKIPPED = (b"1", b"2", b"3", b"4", b"5", b"6", b"K", b"V", b"M", b"N")
 _USTAR = b"ustar\0"
-_SKIPPED_CODES = np.frombuffer(b"".join(_SKIPPED) + b"g", np.uint8)  # as typeflag bytes
+_KINDS = np.zeros(256, np.uint8)  # by typeflag byte: 1 for regular files, 2 for skipped types
+_KINDS[np.frombuffer(b"".join(_REGULAR), np.uint8)] = 1
+_KINDS[np.frombuffer(b"".join(_SKIPPED) + b"g", np.uint8)] = 2
+_MIN_HEADERS = 32  # in fewer, the member loop is quicker than the vectorised path
 _MASK6 = (1 << 48) - 1  # the first 6 of 8 bytes (little-endian)
 _USTAR_U64 = int.from_bytes(_USTAR, "little")  # POSIX magic "ustar\0" (then a version)
 # header bytes 256-263 (aligned) hold "ustar" from byte 257 in POSIX and GNU headers
@@ -217,7 +220,10 @@ def _parse_plain(
         return None
     blocks = _blocks(buf)
     last = min(-(-limit // BLOCK), len(blocks))
-    heads, rows, sizes, after = _header_chain(blocks, pos // BLOCK, last)
+    chain = _header_chain(blocks, pos // BLOCK, last)
+    if chain is None:
+        return None
+    heads, rows, sizes, after = chain
     stop, end = after * BLOCK, False
     if after < last:  # not a ustar header: the end-of-archive marker, or something unusual
         if buf[stop : stop + BLOCK] != ZERO_BLOCK:
@@ -249,15 +255,17 @@ def _parse_plain(
 
 def _header_chain(
     blocks: np.ndarray, first: int, last: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
     """Follow the member headers from block ``first`` while they lie before ``last`` and carry
     the ustar magic: their block numbers, their rows, their sizes (for valid size fields) and
-    the block after the last.
+    the block after the last; None for a few headers (the member loop is quicker).
 
     Every block with the magic is found at once; usually they are exactly the chain (else,
     when data looks like a header, the chain is walked in Python)."""
     magic = blocks[first:last, 256:264].view("<u8")[:, 0]
     heads = first + np.flatnonzero((magic & _MAGIC_BITS) == _MAGIC)
+    if len(heads) < _MIN_HEADERS:
+        return None
     rows = blocks.take(heads, axis=0)
     sizes = (rows[:, 124:135].astype(np.float64) @ _DIGITS - _DIGITS_ZERO).astype(np.int64)
     following = heads + 1 + np.maximum(-(-sizes // BLOCK), 0)
@@ -279,20 +287,19 @@ def _plain_files(rows: np.ndarray) -> np.ndarray | None:
     """Which header ``rows`` are regular files, when the others are skipped types (such as
     directories) and all have an 11-digit octal size, no ustar prefix in use and a right
     checksum; else None."""
-    kind = rows[:, 156]
-    files = (kind == 48) | (kind == 0) | (kind == 55)
+    kind = _KINDS[rows[:, 156]]
+    files = kind == 1
     size_head = rows[:, 124:132].view("<u8")[:, 0]  # digits 1-8
     size_tail = rows[:, 128:136].view("<u8")[:, 0]  # digits 5-11 and a NUL or space
     magic = rows[:, 257:265].view("<u8")[:, 0]
     plain = (
-        (files | np.isin(kind, _SKIPPED_CODES)).all()
-        and ((size_head & _DIGIT_BITS) == _ZEROS).all()
-        and ((size_tail & (_DIGIT_BITS >> 8)) == _ZEROS >> 8).all()
-        and ((size_tail >> 56 | 32) == 32).all()
-        and ((rows[:, 345] == 0) | ~files | ((magic & _MASK6) != _USTAR_U64)).all()
-        and _checksums_ok(rows)
+        kind.astype(bool)
+        & ((size_head & _DIGIT_BITS) == _ZEROS)
+        & ((size_tail & (_DIGIT_BITS >> 8)) == _ZEROS >> 8)
+        & ((size_tail >> 56 | 32) == 32)
+        & ((rows[:, 345] == 0) | ~files | ((magic & _MASK6) != _USTAR_U64))
     )
-    return files if plain else None
+    return files if plain.all() and _checksums_ok(rows) else None
 
 
 def _checksums_ok(rows: np.ndarray) -> bool:
