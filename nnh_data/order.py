@@ -34,7 +34,7 @@ import numpy as np
 
 from nnh_data._validate import check_choice, check_int
 from nnh_data.ranges import DistributedRangeSplitter
-from nnh_data.seeding import GOLDEN, MASK64, mix64, sample_seeds, stream_key
+from nnh_data.seeding import GOLDEN, MASK64, mix64_int, sample_seeds, stream_key
 
 Intervals = list[tuple[int, int]]
 UNEVEN = ("pad", "drop")
@@ -46,7 +46,7 @@ def _order_key(seed: int, epoch: int, *fields: int) -> int:
     """A 64-bit key folded from (seed, epoch) and ``fields``, distinct from augmentation keys."""
     key = stream_key(seed, epoch, 1)
     for value in (_ORDER_DOMAIN, *fields):
-        key = int(mix64(np.array([((key + GOLDEN) & MASK64) ^ value], dtype=np.uint64))[0])
+        key = mix64_int(((key + GOLDEN) & MASK64) ^ value)
     return key
 
 

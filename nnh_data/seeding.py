@@ -25,6 +25,7 @@ Scalars and arrays go through the same numpy code, so they agree to the bit.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -52,10 +53,15 @@ def mix64(z: np.ndarray) -> np.ndarray:
     return z
 
 
-def _mix_int(z: int) -> int:
-    return int(mix64(np.array([z & MASK64], dtype=np.uint64))[0])
+def mix64_int(z: int) -> int:
+    """``mix64`` of one Python int (the stream keys): plain int arithmetic, no array round trip."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
 
 
+# cached: streaming asks for the same few keys once per window
+@functools.lru_cache(maxsize=1024, typed=True)
 def stream_key(
     base_seed: int,
     epoch: int,
@@ -73,9 +79,9 @@ def stream_key(
         world_size = check_int("world_size", world_size, low=1, high=MASK64)
         rank = check_int("rank", rank, low=0, high=world_size - 1)
         domain, fields = _DOMAIN_RANK_AWARE, (base_seed, rank, world_size, epoch, depth)
-    key = _mix_int(domain)
+    key = mix64_int(domain)
     for value in fields:
-        key = _mix_int(((key + GOLDEN) & MASK64) ^ value)
+        key = mix64_int(((key + GOLDEN) & MASK64) ^ value)
     return key
 
 

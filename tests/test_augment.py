@@ -269,3 +269,11 @@ def test_chain_validates_at_call(kwargs, name):
     args = {"num_samples": 10, "rank": 0, "world_size": 4, **kwargs}
     with pytest.raises(ValueError, match=name):
         stream_distributed_augmentation_chain(**args)
+
+
+def test_cached_keys_still_reject_bools():
+    gen_augmentation_params(1, base_seed=1, epoch=1)
+    with pytest.raises(ValueError, match="base_seed"):
+        gen_augmentation_params(1, base_seed=True, epoch=1)
+    with pytest.raises(ValueError, match="epoch"):
+        gen_augmentation_params(1, base_seed=1, epoch=True)

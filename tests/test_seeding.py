@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nnh_data import RankAwareSeedGenerator, gen_distributed_augmentation_params
-from nnh_data.seeding import mix64, sample_seeds, stream_key, uniform_draws
+from nnh_data.seeding import mix64, mix64_int, sample_seeds, stream_key, uniform_draws
 
 M = (1 << 64) - 1
 G = 0x9E3779B97F4A7C15
@@ -26,6 +26,11 @@ def ref_key(domain: int, fields: tuple[int, ...]) -> int:
     for value in fields:
         key = ref_mix64(((key + G) & M) ^ value)
     return key
+
+
+@given(st.integers(0, M))
+def test_scalar_and_array_mix64_agree(z):
+    assert mix64_int(z) == int(mix64(np.array([z], dtype=np.uint64))[0]) == ref_mix64(z)
 
 
 def test_mix64_is_splitmix64():
