@@ -177,6 +177,11 @@ class ShardedStreamingDataset(IterableDataset):
             readahead = 0 if _is_local(self.index) else _REMOTE_READAHEAD
         self.readahead = check_int("readahead", readahead, low=0)
         self.uneven = check_choice("uneven", uneven, UNEVEN)
+        if aug_config is not None and not isinstance(aug_config, AugmentationConfig):
+            got = type(aug_config).__name__
+            raise ValueError(f"aug_config must be an AugmentationConfig or None, got {got}")
+        if decode is not None and not callable(decode):
+            raise ValueError(f"decode must be a callable on samples or None, got {decode!r}")
         self.aug_config = aug_config
         self.rank_aware_params = bool(rank_aware_params)
         self.decode = decode

@@ -234,6 +234,8 @@ def test_skip_keeps_a_shard_found_unreadable_while_indexing(tar_shards):
         ({"rank": 2, "world_size": 2}, r"rank must be in \[0, 1\], got 2"),
         ({"shuffle_window": 0}, r"shuffle_window must be in \[1, inf\), got 0"),
         ({"seed": -1}, r"seed must be in \[0, inf\), got -1"),
+        ({"aug_config": {"rotation_range": (0, 1)}}, "aug_config must be an AugmentationConfig"),
+        ({"decode": "rgb"}, "decode must be a callable"),
     ],
 )
 def test_arguments_are_validated(tar_shards, kwargs, message):
