@@ -29,7 +29,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nnh-data", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="nnh-data", description=__doc__.splitlines()[0].replace("``", "")
+    )
     parser.add_argument(
         "--storage-options", type=json.loads, default=None, help="fsspec options, as JSON"
     )
