@@ -33,11 +33,6 @@ class DistributedRangeSplitter:
         start = rank * self._base + min(rank, self._extra)
         return start, start + self._base + (1 if rank < self._extra else 0)
 
-    def get_rank_size(self, rank: int) -> int:
-        """Number of samples of ``rank``."""
-        start, end = self.get_rank_range(rank)
-        return end - start
-
     def get_all_ranges(self) -> list[tuple[int, int]]:
         """The ranges of all ranks, in rank order."""
         return [self.get_rank_range(r) for r in range(self.world_size)]
