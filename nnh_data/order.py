@@ -176,9 +176,20 @@ def rank_span(total: int, world_size: int, rank: int, uneven: str) -> RankSpan:
     return RankSpan(start, min(end - start, length), length, total)
 
 
-def worker_range(length: int, num_workers: int, worker: int) -> tuple[int, int]:
-    """Items ``[a, b)`` of a rank's ``length`` items that worker ``worker`` yields."""
-    return DistributedRangeSplitter(length, num_workers).get_rank_range(worker)
+def worker_range(length: int, num_workers: int, worker: int, unit: int = 1) -> tuple[int, int]:
+    """Items ``[a, b)`` of a rank's ``length`` items that worker ``worker`` yields.
+
+    The items are split in whole units of ``unit`` (a batch), so every worker range but the
+    last non-empty one holds whole batches and the rank yields ``ceil(length / unit)`` batches
+    whatever the number of workers.
+
+    Example:
+        >>> [worker_range(10, 2, k, unit=4) for k in range(2)]
+        [(0, 8), (8, 10)]
+    """
+    units = -(-length // unit)
+    a, b = DistributedRangeSplitter(units, num_workers).get_rank_range(worker)
+    return min(a * unit, length), min(b * unit, length)
 
 
 def base_size(base: Sequence[tuple[int, int]]) -> int:
@@ -234,15 +245,17 @@ def worker_plan(
     worker: int,
     uneven: str,
     consumed: int = 0,
+    unit: int = 1,
 ) -> WorkerPlan:
-    """The epoch positions worker ``worker`` of ``rank`` yields after its first ``consumed``.
+    """The epoch positions worker ``worker`` of ``rank`` yields after its first ``consumed``;
+    worker ranges are cut in units of ``unit`` items (see :func:`worker_range`).
 
     Example:
         >>> worker_plan([(0, 10)], world_size=3, rank=2, num_workers=2, worker=1, uneven="pad")
         WorkerPlan(positions=[(9, 10)], pads=[7], length=2, consumed=0)
     """
     span = rank_span(base_size(base), world_size, rank, uneven)
-    a, b = worker_range(span.length, num_workers, worker)
+    a, b = worker_range(span.length, num_workers, worker, unit)
     consumed = check_int("consumed", consumed, low=0, high=b - a)
     lo, hi = a + consumed, min(b, span.real)
     positions = virtual_to_positions(base, span.start + lo, span.start + hi) if lo < hi else []
@@ -257,8 +270,10 @@ def remaining(
     num_workers: int,
     uneven: str,
     consumed: Sequence[int],
+    unit: int = 1,
 ) -> Intervals:
-    """Positions of ``base`` no rank has handed out after worker ``k`` yielded ``consumed[k]``.
+    """Positions of ``base`` no rank has handed out after worker ``k`` yielded ``consumed[k]``
+    (worker ranges cut in units of ``unit``).
 
     Pads and, with ``"drop"``, the dropped positions are not left over.
 
@@ -271,5 +286,6 @@ def remaining(
     out: Intervals = []
     for rank in range(world_size):
         for k, count in enumerate(consumed):
-            out += worker_plan(base, world_size, rank, num_workers, k, uneven, count).positions
+            plan = worker_plan(base, world_size, rank, num_workers, k, uneven, count, unit)
+            out += plan.positions
     return coalesce(out)

@@ -15,8 +15,10 @@ ranges seekable comes from :func:`build_shard_index`, cached in a JSON sidecar
 from __future__ import annotations
 
 import itertools
+import os
+import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,6 +30,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from nnh_data._validate import check_choice, check_int
+from nnh_data.batching import Column, Columns, columns_of
 from nnh_data.shard_index import (
     ShardIndex,
     ShardInfo,
@@ -46,6 +49,7 @@ __all__ = [
     "ShardIndex",
     "ShardInfo",
     "build_shard_index",
+    "decode_shard_columns",
     "decode_shard_range",
     "expand_sources",
     "fetch_shard_range",
@@ -210,9 +214,9 @@ def fetch_shard_range(
     """
     check_int("start", start, low=0, high=info.num_samples)
     check_int("stop", stop, low=start, high=info.num_samples)
-    fs, path = url_to_fs(info.url, **(storage_options or {}))
     if info.format == "parquet":
-        return _fetch_parquet(fs, path, info, start, stop)
+        return _fetch_parquet(info, start, stop, storage_options)
+    fs, path = url_to_fs(info.url, **(storage_options or {}))
     low, high = int(info.offsets[start]), int(info.offsets[stop])
     if low == high:
         return b""
@@ -227,17 +231,38 @@ def fetch_shard_range(
 
 
 def _fetch_parquet(
-    fs: AbstractFileSystem, path: str, info: ShardInfo, start: int, stop: int
+    info: ShardInfo, start: int, stop: int, storage_options: dict[str, Any] | None
 ) -> pa.Table:
     first = _piece(info.offsets, start)
     last = int(np.searchsorted(info.offsets, stop))
     try:
-        return pq.ParquetFile(path, filesystem=fs).read_row_groups(
+        return _parquet_file(info, storage_options).read_row_groups(
             range(first, max(first, last)), use_threads=False
         )
     except (pa.ArrowException, OSError) as exc:
         position = f"row group {first} (sample {start})"
         raise ShardError(info.url, position, f"unreadable Parquet file ({exc})") from exc
+
+
+_open_files = threading.local()
+
+
+def forget_open_files() -> None:
+    """Close this thread's kept-open Parquet file: the streaming dataset calls it at the start
+    of each pass, so a file rewritten between passes is read afresh."""
+    _open_files.__dict__.pop("last", None)
+
+
+def _parquet_file(info: ShardInfo, storage_options: dict[str, Any] | None) -> pq.ParquetFile:
+    """The open ``ParquetFile`` of a shard: the last one opened by this thread is kept, so
+    reading a shard block after block opens it (and parses its footer) once. A forked
+    DataLoader worker opens its own (a remote file object must not cross a fork)."""
+    key = (os.getpid(), info.url, info.size, storage_options)
+    last = getattr(_open_files, "last", None)
+    if last is None or last[0] != key:
+        fs, path = url_to_fs(info.url, **(storage_options or {}))
+        _open_files.last = (key, pq.ParquetFile(path, filesystem=fs))
+    return _open_files.last[1]
 
 
 def decode_shard_range(
@@ -275,15 +300,42 @@ def _tar_position(info: ShardInfo, offset: int) -> str:
 
 
 def _decode_parquet(info: ShardInfo, table: pa.Table, start: int, stop: int) -> Iterator[dict]:
+    names, columns = _parquet_columns(info, table, start, stop, pa.ChunkedArray.to_pylist)
+    # dict(zip(names, row)) driven by C-level map/zip: no Python loop body per sample.
+    return map(dict, map(zip, itertools.repeat(names), zip(*columns)))
+
+
+def decode_shard_columns(
+    info: ShardInfo, payload: bytes | pa.Table, start: int, stop: int
+) -> Columns:
+    """Samples ``[start, stop)`` as columns (:mod:`nnh_data.batching`), in shard order.
+
+    Values are those of :func:`decode_shard_range`, except that Parquet numeric and boolean
+    columns without nulls come as numpy arrays.
+    """
+    if info.format == "parquet":
+        return dict(zip(*_parquet_columns(info, payload, start, stop, _column_values)))
+    return columns_of(list(_decode_tar(info, payload, start, stop)))
+
+
+def _parquet_columns(
+    info: ShardInfo, table: pa.Table, start: int, stop: int, convert: Callable
+) -> tuple[list[str], list]:
+    """Column names and ``convert``-ed columns of rows ``[start, stop)``, ``__key__`` added."""
     first = int(info.offsets[_piece(info.offsets, start)])
     table = table.slice(start - first, stop - start)
     names = table.column_names
-    columns = [column.to_pylist() for column in table.columns]
+    columns = [convert(column) for column in table.columns]
     if "__key__" not in names:
         names.append("__key__")
         columns.append(list(map(str, range(start, stop))))
-    # dict(zip(names, row)) driven by C-level map/zip: no Python loop body per sample.
-    return map(dict, map(zip, itertools.repeat(names), zip(*columns)))
+    return names, columns
+
+
+def _column_values(column: pa.ChunkedArray) -> Column:
+    kind = column.type
+    numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+    return column.to_numpy() if numeric and column.null_count == 0 else column.to_pylist()
 
 
 def iter_shard_samples(

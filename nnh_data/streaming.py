@@ -7,15 +7,17 @@ contiguous range per rank (``DistributedRangeSplitter``), padded (``uneven="pad"
 the concat range behind its positions sequentially in blocks (:func:`split_shard_range`), one
 block fetched ahead in a thread while the current one is decoded, and emits each window's samples
 in the window's permuted order, with parameters from ``gen_augmentation_params_batch`` computed
-once per window.
+once per window. With ``batch_size`` the same stream is cut into batches of columns, and
+worker ranges are cut in whole batches (``unit`` of :func:`nnh_data.order.worker_plan`).
 
 Resume. A worker yields a prefix of its range, so what a rank's loader handed out is described
 by one count per worker, and under DDP every rank has the same counts (same step count, same
 layout). The state is ``{"version", "epoch", "seed", "total", "window", "uneven", "base",
-"world_size", "num_workers", "consumed"}``: ``base`` is the list of epoch-position intervals the
-pass walks (the whole epoch unless it was resumed) and ``consumed[k]`` the items worker ``k``
-handed out. Inside a DataLoader worker the dataset only knows its own count (the others are
-``None``); that state resumes the same worker of the same layout, which is exactly what torchdata's
+"world_size", "num_workers", "batch_size", "consumed"}``: ``base`` is the list of
+epoch-position intervals the pass walks (the whole epoch unless it was resumed) and
+``consumed[k]`` the samples worker ``k`` handed out (in whole batches with ``batch_size``).
+Inside a DataLoader worker the dataset only knows its own count (the others are ``None``); that
+state resumes the same worker of the same layout, which is exactly what torchdata's
 ``StatefulDataLoader`` does with it. A state with every count (``num_workers=0``, or merged with
 :func:`merge_states` / :func:`state_from_loader`) resumes with any world size and worker count:
 the samples left over (:func:`nnh_data.order.remaining`) become the new base, split again.
@@ -31,7 +33,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any
 
 import numpy as np
@@ -39,8 +41,10 @@ import torch.distributed as dist
 from fsspec.utils import get_protocol
 from torch.utils.data import IterableDataset, get_worker_info
 
+from nnh_data import batching
 from nnh_data._validate import check_choice, check_int
 from nnh_data.augment import AugmentationConfig, _rows, gen_augmentation_params_batch
+from nnh_data.batching import Columns
 from nnh_data.order import (
     UNEVEN,
     EpochOrder,
@@ -56,8 +60,10 @@ from nnh_data.shards import (
     ShardError,
     ShardIndex,
     build_shard_index,
+    decode_shard_columns,
     decode_shard_range,
     fetch_shard_range,
+    forget_open_files,
     split_shard_range,
 )
 
@@ -70,7 +76,10 @@ _DONE = object()  # end marker of _picked
 _ON_ERROR = ("raise", "skip")
 _LOCAL_PROTOCOLS = ("file", "local", "memory")
 _REMOTE_READAHEAD = 2
-_LAYOUT_KEYS = ("version", "epoch", "seed", "total", "window", "uneven", "base", "world_size")
+_LAYOUT_KEYS = (
+    "version", "epoch", "seed", "total", "window", "uneven", "base", "world_size", "batch_size"
+)  # fmt: skip
+_SKIPPED = "__skipped__"  # column of the rows of unreadable blocks, in batch mode
 
 
 def dist_info(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -130,6 +139,15 @@ class ShardedStreamingDataset(IterableDataset):
     and restore the state through torchdata's ``StatefulDataLoader``: the dataset object in the
     main process does not see its workers' progress.
 
+    With ``batch_size`` the dataset yields batches instead of samples, for
+    ``DataLoader(ds, batch_size=None)``: dicts of columns (:mod:`nnh_data.batching`) holding
+    ``batch_size`` consecutive samples of the same stream, ``__aug__`` as the columns of
+    ``gen_augmentation_params_batch``, ``__index__`` and ``__pad__`` as numpy arrays, Parquet
+    numeric columns as numpy arrays and other values as lists. No dict is built per sample,
+    which makes Parquet stream at pyarrow's speed. Worker ranges are cut in whole batches, so
+    ``len()`` is the rank's number of batches whatever ``num_workers``, and a rank has at most
+    one short batch (its last). ``decode`` then receives each batch.
+
     Example:
         >>> ds = ShardedStreamingDataset("data/train-{000000..000009}.tar")  # doctest: +SKIP
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=32, num_workers=4)  # doctest: +SKIP
@@ -157,6 +175,7 @@ class ShardedStreamingDataset(IterableDataset):
         format: str | None = None,
         storage_options: dict[str, Any] | None = None,
         index_path: str | None = None,
+        batch_size: int | None = None,
     ) -> None:
         self.on_error = check_choice("on_error", on_error, _ON_ERROR)
         if isinstance(source, ShardIndex):
@@ -183,11 +202,13 @@ class ShardedStreamingDataset(IterableDataset):
         if decode is not None and not callable(decode):
             raise ValueError(f"decode must be a callable on samples or None, got {decode!r}")
         self.aug_config = aug_config
+        self.batch_size = None if batch_size is None else check_int("batch_size", batch_size, low=1)
         self.rank_aware_params = bool(rank_aware_params)
         self.decode = decode
         self.storage_options = storage_options
         self.error_counts: dict[str, int] = {}
         self._counts = tuple(info.num_samples for info in self.index.shards)
+        self._starts = np.concatenate(([0], np.cumsum(self._counts, dtype=np.int64)))
         self._order: EpochOrder | None = None
         self._pending: dict | None = None
         self._pass: _Pass | None = None
@@ -207,7 +228,8 @@ class ShardedStreamingDataset(IterableDataset):
             self.epoch, self._pending, self._pass = epoch, None, None
 
     def __len__(self) -> int:
-        """Samples this rank yields in the next pass, over all its workers (pads included).
+        """Samples (batches, with ``batch_size``) this rank yields in the next pass, over all
+        its workers (pads included).
 
         For a single worker's state (inside StatefulDataLoader workers) this is the length of
         the whole pass that state belongs to.
@@ -217,7 +239,8 @@ class ShardedStreamingDataset(IterableDataset):
             base = [tuple(i) for i in state["base"]]
         else:
             base = self._next_base(state)
-        return rank_span(base_size(base), self.world_size, self.rank, self.uneven).length
+        length = rank_span(base_size(base), self.world_size, self.rank, self.uneven).length
+        return length if self.batch_size is None else -(-length // self.batch_size)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe progress of this epoch (see the module docstring)."""
@@ -238,6 +261,7 @@ class ShardedStreamingDataset(IterableDataset):
             "base": [list(i) for i in run.base],
             "world_size": run.world_size,
             "num_workers": run.num_workers,
+            "batch_size": self.batch_size,
             "consumed": consumed,
         }
 
@@ -257,7 +281,7 @@ class ShardedStreamingDataset(IterableDataset):
             return [(0, self.total_samples)]
         base = [tuple(i) for i in state["base"]]
         layout = (state["world_size"], state["num_workers"], self.uneven)
-        return remaining(base, *layout, state["consumed"])
+        return remaining(base, *layout, state["consumed"], state["batch_size"] or 1)
 
     def _start_pass(self, worker: int, num_workers: int) -> _Pass:
         """The pass of this worker: the pending state (if any) resolved, then forgotten."""
@@ -266,13 +290,16 @@ class ShardedStreamingDataset(IterableDataset):
             return _Pass(
                 self.epoch, self._next_base(state), self.world_size, num_workers, worker, 0
             )
-        layout = (state["world_size"], state["num_workers"])
-        if layout != (self.world_size, num_workers) or state["consumed"][worker] is None:
+        layout = (state["world_size"], state["num_workers"], state["batch_size"])
+        if layout != (self.world_size, num_workers, self.batch_size) or (
+            state["consumed"][worker] is None
+        ):
             raise ValueError(
                 "this state holds the progress of one DataLoader worker of world_size="
-                f"{layout[0]}, num_workers={layout[1]}; it cannot resume worker {worker} of "
-                f"world_size={self.world_size}, num_workers={num_workers}: merge the workers' "
-                "states with merge_states() or state_from_loader() to change the layout"
+                f"{layout[0]}, num_workers={layout[1]}, batch_size={layout[2]}; it cannot resume "
+                f"worker {worker} of world_size={self.world_size}, num_workers={num_workers}, "
+                f"batch_size={self.batch_size}: merge the workers' states with merge_states() "
+                "or state_from_loader() to change the layout"
             )
         base = [tuple(i) for i in state["base"]]
         consumed = state["consumed"][worker]
@@ -284,22 +311,30 @@ class ShardedStreamingDataset(IterableDataset):
         # Resolved here, not in the generator: StatefulDataLoader snapshots the state right
         # after iter(), before the first sample is requested.
         worker, num_workers = _worker()
+        forget_open_files()
         run = self._pass = self._start_pass(worker, num_workers)
-        plan = worker_plan(
-            run.base, run.world_size, self.rank, num_workers, worker, self.uneven, run.consumed
-        )
+        layout = (run.base, run.world_size, self.rank, num_workers, worker, self.uneven)
+        plan = worker_plan(*layout, run.consumed, self.batch_size or 1)
         if self._order is None or self._order.epoch != self.epoch:
             self._order = EpochOrder(self._counts, self.seed, self.epoch, self.window)
-        return self._samples(self._order, run, plan.positions, plan.pads)
+        walk = self._samples if self.batch_size is None else self._batches
+        return walk(self._order, run, plan.positions, plan.pads)
+
+    def _taken(
+        self, order: EpochOrder, cursor: _Cursor, positions: Intervals
+    ) -> Iterator[tuple[Any, np.ndarray]]:
+        """Per window of ``positions``: the rows of the concat range it covers, and the concat
+        positions in epoch order."""
+        for group in _groups(positions, self.window or _GROUP):
+            concat = order.concat_positions(group)
+            yield cursor.take(int(concat.min()), int(concat.max()) + 1), concat
 
     def _samples(self, order: EpochOrder, run: _Pass, positions: Intervals, pads: list[int]):
         blocks = read_ahead(self._fetch, self._blocks(order, positions), self.readahead)
-        cursor = _Cursor((b[3], self._decoded(b, payload)) for b, payload in blocks)
+        cursor = _Cursor(((b[3], self._decoded(b, payload)) for b, payload in blocks), len)
         decode = self.decode
-        for group in _groups(positions, self.window or _GROUP):
-            concat = order.concat_positions(group)
-            lo = int(concat.min())
-            picked = _picked(cursor.take(lo, int(concat.max()) + 1), (concat - lo).tolist())
+        for taken, concat in self._taken(order, cursor, positions):
+            picked = _picked(taken, (concat - concat.min()).tolist())
             ids = order.ids_at_concat(concat)
             for sample, gid, aug in zip(picked, ids.tolist(), self._params(ids)):
                 run.consumed += 1
@@ -316,24 +351,91 @@ class ShardedStreamingDataset(IterableDataset):
                 yield sample if decode is None else decode(sample)
 
     def _pad(self, order: EpochOrder, position: int) -> dict | None:
-        concat = order.concat_positions(np.array([position]))
-        ((shard, start, stop),) = order.pieces(int(concat[0]), int(concat[0]) + 1)
-        block = (shard, start, stop, int(concat[0]))
+        block = _pad_block(order, position)
         (sample,) = self._decoded(block, self._fetch(block))
         if sample is not None:
-            ids = order.ids_at_concat(concat)
+            ids = order.ids_at_concat(np.array([block[3]]))
             sample.update(__index__=int(ids[0]), __aug__=next(self._params(ids)), __pad__=True)
         return sample
 
-    def _params(self, ids: np.ndarray) -> Iterator[dict]:
+    def _batches(self, order: EpochOrder, run: _Pass, positions: Intervals, pads: list[int]):
+        """Batches of ``batch_size`` consecutive items of this worker (the last may be short)."""
+        size, pending, count = self.batch_size, [], 0
+        for part in self._parts(order, positions, pads):
+            pending.append(part)
+            count += batching.num_rows(part)
+            if count < size:
+                continue
+            rows, start = batching.concat(pending), 0
+            while count - start >= size:
+                batch = self._finished(batching.cut(rows, start, start + size))
+                start += size
+                run.consumed += size
+                if batch is not None:
+                    yield batch
+            pending = [batching.cut(rows, start, count)] if start < count else []
+            count -= start
+        if count:
+            batch = self._finished(batching.concat(pending))
+            run.consumed += count
+            if batch is not None:
+                yield batch
+
+    def _parts(self, order: EpochOrder, positions: Intervals, pads: list[int]) -> Iterator[Columns]:
+        """This worker's items in order as columns: one part per window, then one per pad."""
+        blocks = read_ahead(self._fetch, self._blocks(order, positions), self.readahead)
+        columns = ((b[3], self._columns(b, payload)) for b, payload in blocks)
+        cursor = _Cursor(columns, batching.num_rows, batching.cut, batching.concat)
+        for rows, concat in self._taken(order, cursor, positions):
+            yield batching.take(rows, concat - concat.min())
+        for position in pads:
+            yield self._pad_columns(order, position)
+
+    def _finished(self, batch: Columns) -> Any:
+        """A batch with the rows skipped as unreadable dropped, decoded; ``None`` when every
+        row was skipped."""
+        skipped = batch.pop(_SKIPPED, None)
+        if skipped is not None:
+            keep = [i for i, flag in enumerate(skipped) if not flag]
+            if not keep:
+                return None
+            batch = batching.take(batch, np.array(keep, dtype=np.int64))
+        return batch if self.decode is None else self.decode(batch)
+
+    def _columns(self, block: tuple[int, int, int, int], payload: object) -> Columns:
+        """The samples of a block as columns, metadata set (``_SKIPPED`` if unreadable)."""
+        shard, start, stop, _ = block
+        info = self.index.shards[shard]
+        try:
+            if isinstance(payload, ShardError):
+                raise payload
+            cols = decode_shard_columns(info, payload, start, stop)
+        except ShardError as exc:
+            self._skip(info.url, exc, stop - start)
+            cols = {_SKIPPED: [True] * (stop - start)}
+        cols["__shard__"] = [info.url] * (stop - start)
+        cols["__index__"] = np.arange(start, stop, dtype=np.int64) + self._starts[shard]
+        cols["__pad__"] = np.zeros(stop - start, dtype=bool)
+        cols["__aug__"] = self._param_columns(cols["__index__"])
+        return cols
+
+    def _pad_columns(self, order: EpochOrder, position: int) -> Columns:
+        block = _pad_block(order, position)
+        cols = self._columns(block, self._fetch(block))
+        cols["__pad__"][:] = True
+        return cols
+
+    def _param_columns(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         if self.rank_aware_params:
             where = {"rank": self.rank, "world_size": self.world_size, "rank_aware": True}
         else:
             where = {"rank_aware": False}
-        cols = gen_augmentation_params_batch(
+        return gen_augmentation_params_batch(
             ids, config=self.aug_config, base_seed=self.seed, epoch=self.epoch, **where
         )
-        return _rows(cols)
+
+    def _params(self, ids: np.ndarray) -> Iterator[dict]:
+        return _rows(self._param_columns(ids))
 
     def _blocks(
         self, order: EpochOrder, positions: Intervals
@@ -383,6 +485,13 @@ class ShardedStreamingDataset(IterableDataset):
         self.error_counts[url] = self.error_counts.get(url, 0) + count
 
 
+def _pad_block(order: EpochOrder, position: int) -> tuple[int, int, int, int]:
+    """The one-sample read block of the sample at epoch ``position``."""
+    concat = int(order.concat_positions(np.array([position]))[0])
+    ((shard, start, stop),) = order.pieces(concat, concat + 1)
+    return shard, start, stop, concat
+
+
 def _groups(positions: Intervals, size: int) -> Iterator[np.ndarray]:
     """Sorted ``positions`` cut at multiples of ``size``: one array per window they touch."""
     pending: list[np.ndarray] = []
@@ -410,39 +519,52 @@ def _picked(samples: list, indices: list[int]) -> Iterator:
 
 
 class _Cursor:
-    """The samples of a stream of ``(concat start, samples)`` blocks, taken by increasing
-    concat ranges; samples are let go of once taken."""
+    """The rows of a stream of ``(concat start, rows)`` blocks, taken by increasing concat
+    ranges and let go of once taken. ``rows`` is a list of samples, or anything with a
+    ``size(rows)``, a ``cut(rows, start, stop)`` and a ``join(list of rows)``."""
 
-    def __init__(self, blocks: Iterator[tuple[int, list]]) -> None:
+    def __init__(
+        self,
+        blocks: Iterator[tuple[int, Any]],
+        size: Callable[[Any], int],
+        cut: Callable[[Any, int, int], Any] = lambda rows, a, b: rows[a:b],
+        join: Callable[[list], Any] = lambda pieces: list(chain.from_iterable(pieces)),
+    ) -> None:
         self._blocks = blocks
-        self._lo = 0
-        self._samples: list = []
+        self._size, self._cut, self._join = size, cut, join
+        self._lo = self._len = 0
+        self._rows: Any = []
 
-    def take(self, lo: int, hi: int) -> list:
-        out: list = []
+    def take(self, lo: int, hi: int) -> Any:
+        pieces = []
         while lo < hi:
-            if lo >= self._lo + len(self._samples):
-                self._lo, self._samples = next(self._blocks)
+            if lo >= self._lo + self._len:
+                self._lo, self._rows = next(self._blocks)
+                self._len = self._size(self._rows)
                 continue
             assert lo >= self._lo, "read blocks must follow the windows in order"
-            piece = self._samples[lo - self._lo : hi - self._lo]
-            out = out + piece if out else piece
-            lo += len(piece)
-        del self._samples[: lo - self._lo]
+            stop = min(hi, self._lo + self._len)
+            pieces.append(self._cut(self._rows, lo - self._lo, stop - self._lo))
+            lo = stop
+        self._rows = self._cut(self._rows, lo - self._lo, self._len)
+        self._len -= lo - self._lo
         self._lo = lo
-        return out
+        return pieces[0] if len(pieces) == 1 else self._join(pieces)
 
 
 def _checked_state(state: Mapping[str, Any]) -> dict:
     """A deep copy of ``state`` after checking its shape (ValueError naming what is wrong)."""
     if not isinstance(state, Mapping):
         raise ValueError(f"state must be a dict from state_dict(), got {type(state).__name__}")
+    state = copy.deepcopy(dict(state))
+    state.setdefault("batch_size", None)  # states of per-sample passes may leave it out
     missing = [k for k in (*_LAYOUT_KEYS, "num_workers", "consumed") if k not in state]
     if missing:
         raise ValueError(f"state must hold the keys of state_dict(); missing {missing}")
     if state["version"] != STATE_VERSION:
         raise ValueError(f"state['version'] must be {STATE_VERSION}, got {state['version']!r}")
-    state = copy.deepcopy(dict(state))
+    if state["batch_size"] is not None:
+        check_int("state['batch_size']", state["batch_size"], low=1)
     num_workers = check_int("state['num_workers']", state["num_workers"], low=1)
     consumed = state["consumed"]
     if (

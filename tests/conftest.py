@@ -8,6 +8,7 @@
   mtime); ``pax=False`` plain ustar. A count of 0 writes an empty (but valid) tar.
 - ``parquet_shards(counts, *, row_group_size=4, name="part") -> list[str]``: one Parquet file
   per item of ``counts``; row g has columns ``id`` (int g) and ``text`` (``f"row {g}"``).
+- ``shards(format, counts) -> list[str]``: tar or Parquet (3 rows per row group) shards.
 - ``sample_bytes(g, size) -> bytes``: the ``bin`` payload of sample g (a plain function).
 - ``moto_s3``: a session-wide ``moto_server`` on a free 127.0.0.1 port; yields an ``S3Server``
   with ``endpoint``, ``storage_options`` (for fsspec/s3fs) and ``bucket(name)`` -> "s3://name"
@@ -143,3 +144,14 @@ def moto_s3() -> Iterator[S3Server]:
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+@pytest.fixture
+def shards(tar_shards, parquet_shards) -> Callable[[str, list[int]], list[str]]:
+    """``shards(format, counts) -> urls``: ``tar_shards(counts)`` or ``parquet_shards(counts,
+    row_group_size=3)`` (several row groups per file)."""
+
+    def make(fmt: str, counts: list[int]) -> list[str]:
+        return tar_shards(counts) if fmt == "tar" else parquet_shards(counts, row_group_size=3)
+
+    return make

@@ -8,7 +8,6 @@ worker counts runs workers in-process through the one place that discovers them
 from __future__ import annotations
 
 import os
-import types
 from collections import Counter
 
 import pyarrow as pa
@@ -16,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 from torch.utils.data import DataLoader
+from worker_sim import simulated
 
-import nnh_data.streaming as streaming
 from nnh_data.augment import gen_augmentation_params, gen_distributed_augmentation_params
 from nnh_data.shards import ShardError, build_shard_index
 from nnh_data.streaming import ShardedStreamingDataset, dist_info
@@ -26,32 +25,9 @@ LAYOUTS = {"uneven": [7, 1, 12, 3], "empty": [5, 0, 6, 0, 0], "one": [9], "few":
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
 
-@pytest.fixture
-def shards(tar_shards, parquet_shards):
-    """``make(format, counts) -> urls`` for the shared fixtures."""
-
-    def make(fmt: str, counts: list[int]) -> list[str]:
-        return tar_shards(counts) if fmt == "tar" else parquet_shards(counts, row_group_size=3)
-
-    return make
-
-
 def _value(sample: dict) -> int:
     """The global id the fixtures wrote into the sample."""
     return int(sample["cls"]) if "cls" in sample else sample["id"]
-
-
-def _simulated(ds: ShardedStreamingDataset, workers: int, monkeypatch) -> list[dict]:
-    """What a DataLoader with ``workers`` workers yields, workers run one after the other."""
-    if workers == 0:
-        return list(ds)
-    out = []
-    for k in range(workers):
-        info = types.SimpleNamespace(id=k, num_workers=workers)
-        with monkeypatch.context() as patch:
-            patch.setattr(streaming, "get_worker_info", lambda info=info: info)
-            out += list(ds)
-    return out
 
 
 def _check_epoch(per_rank: list[list[dict]], total: int, lengths: list[int]) -> None:
@@ -75,7 +51,7 @@ def test_every_sample_once_equal_per_rank(fmt, layout, shards, monkeypatch):
                 ShardedStreamingDataset(index, rank=r, world_size=world, seed=3, shuffle_window=4)
                 for r in range(world)
             ]
-            per_rank = [_simulated(ds, workers, monkeypatch) for ds in datasets]
+            per_rank = [simulated(ds, workers, monkeypatch) for ds in datasets]
             _check_epoch(per_rank, index.total_samples, [len(ds) for ds in datasets])
 
 
@@ -96,7 +72,7 @@ def test_real_workers_match_the_simulation(fmt, layout, world, workers, shards, 
         ds = ShardedStreamingDataset(index, rank=r, world_size=world, seed=5, shuffle_window=4)
         real = list(DataLoader(ds, batch_size=None, num_workers=workers))
         assert Counter(s["__index__"] for s in real) == Counter(
-            s["__index__"] for s in _simulated(ds, workers, monkeypatch)
+            s["__index__"] for s in simulated(ds, workers, monkeypatch)
         )
         per_rank.append(real)
     _check_epoch(per_rank, index.total_samples, [len(per_rank[0])] * world)
