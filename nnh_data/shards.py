@@ -1,8 +1,9 @@
 """Shards and their index: count the samples of tar and Parquet shards, read any range of them.
 
 The dataset layer works on sample ranges ``[start, stop)`` of a shard: :func:`fetch_shard_range`
-does the I/O (one ranged read for tar, the covering row groups for Parquet; safe in a read-ahead
-thread) and :func:`decode_shard_range` turns the payload into sample dicts. The index that makes
+does the I/O (one ranged read for tar; for Parquet the rows, converted to Python batch by batch
+while they are in cache; safe in a read-ahead thread) and :func:`decode_shard_range` turns the
+payload into sample dicts (:func:`decode_shard_columns` into columns). The index that makes
 ranges seekable comes from :func:`build_shard_index`, cached in a JSON sidecar
 (:mod:`nnh_data.shard_index`); tar parsing lives in :mod:`nnh_data.tar_format`.
 
@@ -18,7 +19,7 @@ import itertools
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,6 +30,7 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from nnh_data import batching
 from nnh_data._validate import check_choice, check_int
 from nnh_data.batching import Column, Columns, columns_of
 from nnh_data.shard_index import (
@@ -60,6 +62,7 @@ __all__ = [
 _SCAN_BLOCK = 1 << 20
 _SCAN_THREADS = 16
 _CHUNK_BYTES = 16 << 20  # a decoded piece holds its bytes twice (payload and samples)
+_PARQUET_BATCH = 256  # rows decompressed then converted at a time: they stay in cache
 
 
 class ShardError(RuntimeError):
@@ -206,11 +209,12 @@ def _piece(offsets: np.ndarray, position: int) -> int:
 
 def fetch_shard_range(
     info: ShardInfo, start: int, stop: int, *, storage_options: dict[str, Any] | None = None
-) -> bytes | pa.Table:
-    """Read what samples ``[start, stop)`` of the shard need (I/O only, thread-safe).
+) -> bytes | Columns:
+    """Read what samples ``[start, stop)`` of the shard need (thread-safe).
 
-    Tar: their byte range in one read (``bytes``). Parquet: the row groups covering them
-    (a ``pyarrow.Table``). Raises :class:`ShardError` when the shard cannot be read.
+    Tar: their byte range in one read (``bytes``). Parquet: their rows as columns
+    (:func:`decode_shard_columns` says which), ``__key__`` added. Raises :class:`ShardError`
+    when the shard cannot be read.
     """
     check_int("start", start, low=0, high=info.num_samples)
     check_int("stop", stop, low=start, high=info.num_samples)
@@ -232,16 +236,37 @@ def fetch_shard_range(
 
 def _fetch_parquet(
     info: ShardInfo, start: int, stop: int, storage_options: dict[str, Any] | None
-) -> pa.Table:
+) -> Columns:
     first = _piece(info.offsets, start)
-    last = int(np.searchsorted(info.offsets, stop))
+    groups = range(first, max(first, int(np.searchsorted(info.offsets, stop))))
+    skip, rows = start - int(info.offsets[first]), stop - start
+    parts = []
     try:
-        return _parquet_file(info, storage_options).read_row_groups(
-            range(first, max(first, last)), use_threads=False
-        )
-    except (pa.ArrowException, OSError) as exc:
+        pf = _parquet_file(info, storage_options)
+        batches = pf.iter_batches(_PARQUET_BATCH, row_groups=groups, use_threads=False)
+        while rows:
+            batch = next(batches)
+            if skip < batch.num_rows:
+                part = batch.slice(skip, rows)
+                parts.append({n: _column_values(c) for n, c in zip(part.schema.names, part)})
+                rows -= part.num_rows
+            skip = max(0, skip - batch.num_rows)
+    except (pa.ArrowException, OSError, StopIteration) as exc:
         position = f"row group {first} (sample {start})"
-        raise ShardError(info.url, position, f"unreadable Parquet file ({exc})") from exc
+        raise ShardError(info.url, position, f"unreadable Parquet file ({exc!r})") from exc
+    columns = batching.concat(parts) if parts else {}
+    if "__key__" not in columns:
+        columns["__key__"] = list(map(str, range(start, stop)))
+    return columns
+
+
+def _column_values(column: pa.Array) -> Column:
+    """Numeric and boolean arrays without nulls as numpy, others as lists of Python values."""
+    kind = column.type
+    numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+    if numeric and column.null_count == 0:
+        return column.to_numpy(zero_copy_only=False)
+    return column.to_pylist()
 
 
 _open_files = threading.local()
@@ -266,7 +291,7 @@ def _parquet_file(info: ShardInfo, storage_options: dict[str, Any] | None) -> pq
 
 
 def decode_shard_range(
-    info: ShardInfo, payload: bytes | pa.Table, start: int, stop: int
+    info: ShardInfo, payload: bytes | Columns, start: int, stop: int
 ) -> Iterator[dict]:
     """Samples ``[start, stop)`` from the payload of :func:`fetch_shard_range`, in shard order.
 
@@ -275,7 +300,10 @@ def decode_shard_range(
     ``__key__`` (the ``__key__`` column, else the row number in the shard).
     """
     if info.format == "parquet":
-        return _decode_parquet(info, payload, start, stop)
+        names = list(payload)
+        columns = [c.tolist() if isinstance(c, np.ndarray) else c for c in payload.values()]
+        # dict(zip(names, row)) driven by C-level map/zip: no Python loop body per sample.
+        return map(dict, map(zip, itertools.repeat(names), zip(*columns)))
     return _decode_tar(info, payload, start, stop)
 
 
@@ -299,14 +327,8 @@ def _tar_position(info: ShardInfo, offset: int) -> str:
     return f"sample {min(sample, info.num_samples)}, byte {offset}"
 
 
-def _decode_parquet(info: ShardInfo, table: pa.Table, start: int, stop: int) -> Iterator[dict]:
-    names, columns = _parquet_columns(info, table, start, stop, pa.ChunkedArray.to_pylist)
-    # dict(zip(names, row)) driven by C-level map/zip: no Python loop body per sample.
-    return map(dict, map(zip, itertools.repeat(names), zip(*columns)))
-
-
 def decode_shard_columns(
-    info: ShardInfo, payload: bytes | pa.Table, start: int, stop: int
+    info: ShardInfo, payload: bytes | Columns, start: int, stop: int
 ) -> Columns:
     """Samples ``[start, stop)`` as columns (:mod:`nnh_data.batching`), in shard order.
 
@@ -314,28 +336,8 @@ def decode_shard_columns(
     columns without nulls come as numpy arrays.
     """
     if info.format == "parquet":
-        return dict(zip(*_parquet_columns(info, payload, start, stop, _column_values)))
+        return dict(payload)
     return columns_of(list(_decode_tar(info, payload, start, stop)))
-
-
-def _parquet_columns(
-    info: ShardInfo, table: pa.Table, start: int, stop: int, convert: Callable
-) -> tuple[list[str], list]:
-    """Column names and ``convert``-ed columns of rows ``[start, stop)``, ``__key__`` added."""
-    first = int(info.offsets[_piece(info.offsets, start)])
-    table = table.slice(start - first, stop - start)
-    names = table.column_names
-    columns = [convert(column) for column in table.columns]
-    if "__key__" not in names:
-        names.append("__key__")
-        columns.append(list(map(str, range(start, stop))))
-    return names, columns
-
-
-def _column_values(column: pa.ChunkedArray) -> Column:
-    kind = column.type
-    numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
-    return column.to_numpy() if numeric and column.null_count == 0 else column.to_pylist()
 
 
 def iter_shard_samples(

@@ -2,8 +2,11 @@
 
 Prints one JSON object. On the same shards of 3 KiB samples (written by ``write_shards``):
 samples/s of nnh tar streaming, ``webdataset.WebDataset`` and ``tarfile`` (ratios
-``tar_vs_webdataset``, ``tar_vs_tarfile``); on the same rows as Parquet files, nnh versus raw
-``pyarrow`` ``iter_batches`` + ``to_pylist`` (``parquet_vs_pyarrow``); seconds to the first
+``tar_vs_webdataset``, ``tar_vs_tarfile``); on the same rows as Parquet files, nnh per-sample
+dicts versus raw ``pyarrow`` ``iter_batches`` + ``to_pylist`` rows, both consumed by the same
+loop (``parquet_vs_pyarrow``), and nnh batches (``batch_size=256``, columns) versus
+``iter_batches(batch_size=256)`` + ``to_pydict`` (``parquet_batched_vs_pyarrow``, the same
+output shape on both sides); seconds to the first
 sample with 10,000 indexed shards of 10 samples (index sidecar on disk); peak RSS of a process
 streaming 1x and 10x the samples (``rss_growth`` = 10x / 1x - 1). Rates are the best of a few
 rounds in which a figure and its baselines take turns.
@@ -34,6 +37,7 @@ from nnh_data.writer import write_shards
 SAMPLE_BYTES = 3072
 PER_SHARD = 1000
 SHARDS_MANY = 10_000
+BATCH = 256  # rows per batch of the batched figures
 
 
 def samples(count: int, first: int = 0):
@@ -82,12 +86,25 @@ def tarfile_count(urls: list[str]) -> int:
     return keys
 
 
-def pyarrow_count(paths: list[str]) -> int:
-    rows = 0
+def pyarrow_rows(paths: list[str]):
+    """Rows of ``paths`` as dicts, the way a plain pyarrow IterableDataset yields them."""
     for path in paths:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1000):
-            rows += len(batch.to_pylist())
+            yield from batch.to_pylist()
+
+
+def pyarrow_columns(paths: list[str]) -> int:
+    """Rows read as ``BATCH``-row dicts of Python lists; the row count."""
+    rows = 0
+    for path in paths:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH):
+            rows += len(batch.to_pydict()["cls"])
     return rows
+
+
+def nnh_batched(index) -> int:
+    """Rows of ``ShardedStreamingDataset(index, batch_size=BATCH)``; the row count."""
+    return sum(len(b["__index__"]) for b in ShardedStreamingDataset(index, batch_size=BATCH))
 
 
 def in_fresh_process(code: str) -> float:
@@ -141,9 +158,11 @@ def main() -> None:
         parquet = best_rates(
             {
                 "nnh": lambda: sum(1 for _ in ShardedStreamingDataset(pq_index)),
-                "pyarrow": lambda: pyarrow_count(paths),
+                "pyarrow": lambda: sum(1 for _ in pyarrow_rows(paths)),
+                "nnh_batched": lambda: nnh_batched(pq_index),
+                "pyarrow_columns": lambda: pyarrow_columns(paths),
             },
-            5,
+            7,
         )
 
         write_shards(samples(SHARDS_MANY * 10), f"{tmp}/many/s-%06d.tar", max_count=10)
@@ -165,6 +184,9 @@ def main() -> None:
         "nnh_parquet_samples_per_s": round(parquet["nnh"]),
         "pyarrow_rows_per_s": round(parquet["pyarrow"]),
         "parquet_vs_pyarrow": round(parquet["nnh"] / parquet["pyarrow"], 2),
+        "nnh_parquet_batched_rows_per_s": round(parquet["nnh_batched"]),
+        "pyarrow_columns_rows_per_s": round(parquet["pyarrow_columns"]),
+        "parquet_batched_vs_pyarrow": round(parquet["nnh_batched"] / parquet["pyarrow_columns"], 2),
         "first_sample_s_10000_shards": round(first, 3),
         "peak_rss_mib_1x": round(rss_1x, 1),
         "peak_rss_mib_10x": round(rss_10x, 1),
