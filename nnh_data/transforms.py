@@ -1,10 +1,13 @@
 """Apply augmentation parameters to image tensors: batched, deterministic, on any device.
 
 ``apply_augmentation`` turns the parameters of :mod:`nnh_data.augment` into pixels in one
-batched pass (no Python loop over samples), in this order, for each image ``x`` of a batch:
+batched pass (no Python loop over samples; on the CPU, one pass per cache-sized group of images,
+since a pass over a large batch is bound by memory bandwidth), in this order, for each image
+``x`` of a batch:
 
 1. Geometry: rotation (degrees, counter-clockwise on screen, about the image centre) and scale
-   (``> 1`` zooms in) as one affine resampling, ``affine_grid`` + ``grid_sample`` (bilinear,
+   (``> 1`` zooms in) as one affine resampling, the ``affine_grid`` sampling grid (computed as
+   a broadcast sum of its x and y terms) + ``grid_sample`` (bilinear,
    ``align_corners=False``, ``padding_mode`` "zeros" by default). Rotation is done in pixel
    units, so non-square images are not sheared. Images with rotation 0 and scale 1 are not
    resampled, so they stay exact.
@@ -57,6 +60,7 @@ PADDING_MODES = ("zeros", "border", "reflection")
 _FIRST_NOISE_DRAW = len(PARAM_NAMES)
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _LOW24 = 0xFFFFFF
+_CPU_CHUNK_BYTES = 1 << 20  # float pixels per thread per CPU group: about an L2 cache
 
 
 def _signed(value: int) -> int:
@@ -97,15 +101,41 @@ def apply_augmentation(
         raise ValueError(f"images must be (N, C, H, W) or (C, H, W), got {tuple(images.shape)}")
     batch = images if images.dim() == 4 else images.unsqueeze(0)
     cols = _param_columns(params, batch.shape[0])
-    dtype = torch.float64 if images.dtype == torch.float64 else torch.float32
+    out = torch.empty_like(batch)
+    for lo, hi in _chunks(batch):
+        part = {k: v[lo:hi] for k, v in cols.items()}
+        out[lo:hi] = _augment(batch[lo:hi], part, padding_mode, (low, high), generator)
+    return out if images.dim() == 4 else out.squeeze(0)
+
+
+def _chunks(batch: Tensor) -> list[tuple[int, int]]:
+    """Index ranges to augment the batch in: the whole batch on a GPU; on the CPU, groups of
+    about 1 MiB of float pixels per thread, so every pass over a group runs in cache (one
+    pass over a large batch is bound by memory bandwidth, and is slower than a per-image loop)."""
+    n = batch.shape[0]
+    if batch.device.type != "cpu" or n == 0:
+        return [(0, n)]
+    step = max(1, torch.get_num_threads() * _CPU_CHUNK_BYTES // max(1, batch[0].numel() * 4))
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+def _augment(
+    batch: Tensor,
+    cols: dict[str, Tensor],
+    padding_mode: str,
+    value_range: tuple[float, float],
+    generator: torch.Generator | None,
+) -> Tensor:
+    """Steps 1-5 on a (N, C, H, W) batch; the result has the batch's dtype."""
+    low, high = value_range
+    dtype = torch.float64 if batch.dtype == torch.float64 else torch.float32
     x = _geometry(batch, dtype, cols, padding_mode)
     _photometric_(x, cols)
     _add_noise_(x, cols, high - low, generator)
     x.clamp_(low, high)
-    if images.dtype == torch.uint8:
+    if batch.dtype == torch.uint8:
         x.round_()
-    out = x.to(images.dtype)
-    return out if images.dim() == 4 else out.squeeze(0)
+    return x.to(batch.dtype)
 
 
 def _value_range(
@@ -180,8 +210,19 @@ def _warp(x: Tensor, rotation: Tensor, scale: Tensor, padding_mode: str) -> Tens
     # output -> input map in normalised coordinates (x right, y down); h/w keeps pixels square
     rows = (torch.stack([cos, -sin * h / w, zero], -1), torch.stack([sin * w / h, cos, zero], -1))
     theta = torch.stack(rows, 1).to(x.device, x.dtype)
-    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    grid = _affine_grid(theta, h, w)
     return F.grid_sample(x, grid, mode="bilinear", padding_mode=padding_mode, align_corners=False)
+
+
+def _affine_grid(theta: Tensor, h: int, w: int) -> Tensor:
+    """``F.affine_grid(theta, (n, c, h, w), align_corners=False)`` for a ``theta`` without
+    translation, as one broadcast add of its x and y terms: ``affine_grid`` multiplies a
+    materialised (n, h, w, 3) base grid instead, several times the memory traffic."""
+    xs = torch.arange(w, device=theta.device, dtype=theta.dtype).mul_(2 / w).add_(1 / w - 1)
+    ys = torch.arange(h, device=theta.device, dtype=theta.dtype).mul_(2 / h).add_(1 / h - 1)
+    x_term = theta[:, None, None, :, 0] * xs.view(1, 1, w, 1)  # (n, 1, w, 2)
+    y_term = theta[:, None, None, :, 1] * ys.view(1, h, 1, 1)  # (n, h, 1, 2)
+    return x_term + y_term
 
 
 def _photometric_(x: Tensor, cols: dict[str, Tensor]) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
+from nnh_data import transforms
 from nnh_data.augment import gen_augmentation_params, gen_augmentation_params_batch
 from nnh_data.seeding import mix64
 from nnh_data.transforms import AugmentModule, AugmentParams, apply_augmentation, key_noise, mix64_
@@ -168,6 +169,16 @@ def test_batch_order_and_per_sample_calls_agree():
     singles = [apply_augmentation(images[i], gen_augmentation_params(i)) for i in range(6)]
     assert torch.equal(torch.stack(singles), out)
     assert not torch.equal(out, images)
+
+
+def test_cpu_groups_give_the_one_pass_result(monkeypatch):
+    """On the CPU a large batch runs in cache-sized groups: the same pixels as one pass."""
+    images = torch.randint(0, 256, (7, 3, 40, 40), dtype=torch.uint8)
+    p = gen_augmentation_params_batch(np.arange(7), rank_aware=False)
+    whole = apply_augmentation(images, p)
+    monkeypatch.setattr(transforms, "_CPU_CHUNK_BYTES", 3 * 40 * 40 * 4 * 2)  # 2-4 images
+    assert len(transforms._chunks(images)) > 1
+    assert torch.equal(apply_augmentation(images, p), whole)
 
 
 def test_params_forms_agree():
