@@ -187,16 +187,22 @@ def split_shard_range(
 ) -> list[tuple[int, int]]:
     """Cut ``[start, stop)`` into consecutive sub-ranges small enough to hold in memory.
 
-    Tar pieces stay under ``max_bytes`` (or hold one sample); Parquet pieces are row groups.
+    Tar pieces stay under ``max_bytes`` (or hold one sample); Parquet pieces are whole row
+    groups (cut at ``start`` and ``stop``), as many as fit in ``max_bytes`` at the file's
+    average bytes per row (at least one).
     """
     stop = info.num_samples if stop is None else stop
     offsets = info.offsets
+    if info.format == "parquet":
+        rows = max_bytes * info.num_samples // max(1, info.size)
     pieces = []
     while start < stop:
         if info.format == "tar":
-            end = min(stop, max(start + 1, _piece(offsets, offsets[start] + max_bytes)))
+            end = _piece(offsets, offsets[start] + max_bytes)
         else:
-            end = min(stop, int(offsets[_piece(offsets, start) + 1]))
+            end = int(offsets[_piece(offsets, start + rows) if start + rows < stop else -1])
+            end = max(end, int(offsets[_piece(offsets, start) + 1]))
+        end = min(stop, max(start + 1, end))
         pieces.append((start, end))
         start = end
     return pieces

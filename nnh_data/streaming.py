@@ -335,6 +335,7 @@ class ShardedStreamingDataset(IterableDataset):
         decode = self.decode
         for taken, concat in self._taken(order, cursor, positions):
             picked = _picked(taken, (concat - concat.min()).tolist())
+            del taken  # the stack of _picked holds the samples now, and lets go of each in turn
             ids = order.ids_at_concat(concat)
             for sample, gid, aug in zip(picked, ids.tolist(), self._params(ids)):
                 run.consumed += 1

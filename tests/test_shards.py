@@ -56,7 +56,10 @@ def test_split_shard_range_bounds_bytes_and_follows_row_groups(tar_shards, parqu
     (table,) = parquet_shards([10], row_group_size=4)
     info = build_shard_index(table).shards[0]
     assert info.offsets.tolist() == [0, 4, 8, 10]
-    assert split_shard_range(info, 2, 9) == [(2, 4), (4, 8), (8, 9)]
+    assert split_shard_range(info, 2, 9, max_bytes=1) == [(2, 4), (4, 8), (8, 9)]
+    assert split_shard_range(info, 2, 9) == [(2, 9)]  # whole row groups fit the default bytes
+    per_row = info.size / 10
+    assert split_shard_range(info, 0, 10, max_bytes=int(per_row * 9)) == [(0, 8), (8, 10)]
 
 
 def test_webdataset_shardwriter_interop(tmp_path):

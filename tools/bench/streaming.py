@@ -41,10 +41,14 @@ BATCH = 256  # rows per batch of the batched figures
 
 
 def samples(count: int, first: int = 0):
-    """``count`` samples of ~3 KiB: a payload, a class label and a short caption."""
+    """``count`` samples of ~3 KiB: a payload, a class label and a short caption. Payloads
+    differ from sample to sample (rotations of one random block), as real data does: Parquet
+    then stores them plainly instead of as one dictionary entry."""
     payload = os.urandom(SAMPLE_BYTES)
     for g in range(first, first + count):
-        yield {"__key__": f"{g:09d}", "bin": payload, "cls": g % 1000, "txt": f"sample {g}"}
+        k = g % SAMPLE_BYTES
+        blob = payload[k:] + payload[:k]
+        yield {"__key__": f"{g:09d}", "bin": blob, "cls": g % 1000, "txt": f"sample {g}"}
 
 
 def write_parquet(folder: str, count: int) -> list[str]:
