@@ -19,7 +19,8 @@ import itertools
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -297,23 +298,33 @@ def _parquet_file(info: ShardInfo, storage_options: dict[str, Any] | None) -> pq
 
 
 def decode_shard_range(
-    info: ShardInfo, payload: bytes | Columns, start: int, stop: int
+    info: ShardInfo,
+    payload: bytes | Columns,
+    start: int,
+    stop: int,
+    constants: Mapping[str, Any] | None = None,
 ) -> Iterator[dict]:
     """Samples ``[start, stop)`` from the payload of :func:`fetch_shard_range`, in shard order.
 
     Tar samples hold ``__key__`` and one ``bytes`` value per member, named by its extension as
     webdataset names it ("jpg", "seg.png"); Parquet samples hold one Python value per column and
-    ``__key__`` (the ``__key__`` column, else the row number in the shard).
+    ``__key__`` (the ``__key__`` column, else the row number in the shard). ``constants`` are
+    set in every sample as the dicts are built (the streaming dataset's ``__shard__``).
     """
+    constants = constants or {}
     if info.format == "parquet":
-        names = list(payload)
+        names = [*payload, *constants]
         columns = [c.tolist() if isinstance(c, np.ndarray) else c for c in payload.values()]
+        columns += map(itertools.repeat, constants.values())
         # dict(zip(names, row)) driven by C-level map/zip: no Python loop body per sample.
         return map(dict, map(zip, itertools.repeat(names), zip(*columns)))
-    return _decode_tar(info, payload, start, stop)
+    samples = _decode_tar(info, payload, start, stop)
+    for key, value in constants.items():  # C-level passes: no Python loop body per sample
+        deque(map(dict.__setitem__, samples, itertools.repeat(key), itertools.repeat(value)), 0)
+    return iter(samples)
 
 
-def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> Iterator[dict]:
+def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> list[dict]:
     base = int(info.offsets[start])
     try:
         parsed = parse_samples(buf, 0, len(buf))
@@ -325,7 +336,7 @@ def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> Iterator[
         found = len(parsed.samples)
         reason = f"expected {stop - start} samples, found {found}: the index is stale"
         raise ShardError(info.url, _tar_position(info, base), reason)
-    return iter(parsed.samples)
+    return parsed.samples
 
 
 def _tar_position(info: ShardInfo, offset: int) -> str:
@@ -343,7 +354,7 @@ def decode_shard_columns(
     """
     if info.format == "parquet":
         return dict(payload)
-    return columns_of(list(_decode_tar(info, payload, start, stop)))
+    return columns_of(_decode_tar(info, payload, start, stop))
 
 
 def iter_shard_samples(

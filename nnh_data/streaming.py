@@ -30,10 +30,9 @@ from __future__ import annotations
 import copy
 import os
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from itertools import chain, repeat
+from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -112,14 +111,29 @@ def _worker() -> tuple[int, int]:
 
 @dataclass
 class _Pass:
-    """The layout and progress of the iteration a worker is running."""
+    """The layout and progress of the iteration a worker is running.
+
+    A window's samples are handed out from a stack (:func:`_picked`), so the count is the items
+    before the window plus those popped off its stack: no bookkeeping per sample.
+    """
 
     epoch: int
     base: Intervals
     world_size: int
     num_workers: int
     worker: int
-    consumed: int
+    consumed: int  # items handed out before the current window
+    stack: list = field(default_factory=list)
+    window: int = 0  # items of the current window
+
+    def start_window(self, stack: list) -> None:
+        """Count the current window as handed out; ``stack`` (from ``_picked``) is the next."""
+        self.consumed = self.handed_out()
+        self.stack, self.window = stack, max(0, len(stack) - 1)
+
+    def handed_out(self) -> int:
+        """Items handed out so far in this pass (a resumed count included)."""
+        return self.consumed + self.window - max(0, len(self.stack) - 1)
 
 
 class ShardedStreamingDataset(IterableDataset):
@@ -250,7 +264,7 @@ class ShardedStreamingDataset(IterableDataset):
         if run is None or run.epoch != self.epoch:
             run = _Pass(self.epoch, [(0, self.total_samples)], self.world_size, 1, 0, 0)
         consumed: list[int | None] = [None] * run.num_workers
-        consumed[run.worker] = run.consumed
+        consumed[run.worker] = run.handed_out()
         return {
             "version": STATE_VERSION,
             "epoch": run.epoch,
@@ -334,17 +348,17 @@ class ShardedStreamingDataset(IterableDataset):
         cursor = _Cursor(((b[3], self._decoded(b, payload)) for b, payload in blocks), len)
         decode = self.decode
         for taken, concat in self._taken(order, cursor, positions):
-            picked = _picked(taken, (concat - concat.min()).tolist())
-            del taken  # the stack of _picked holds the samples now, and lets go of each in turn
+            stack = _picked(taken, (concat - concat.min()).tolist())
+            del taken  # the stack holds the samples now, and lets go of each as it is handed out
+            run.start_window(stack)
             ids = order.ids_at_concat(concat)
-            for sample, gid, aug in zip(picked, ids.tolist(), self._params(ids)):
-                run.consumed += 1
+            for sample, gid, aug in zip(iter(stack.pop, _DONE), ids.tolist(), self._params(ids)):
                 if sample is None:
                     continue
                 sample["__index__"] = gid
                 sample["__aug__"] = aug
-                sample["__pad__"] = False
                 yield sample if decode is None else decode(sample)
+        run.start_window([])
         for position in pads:
             sample = self._pad(order, position)
             run.consumed += 1
@@ -464,17 +478,18 @@ class ShardedStreamingDataset(IterableDataset):
             return exc
 
     def _decoded(self, block: tuple[int, int, int, int], payload: object) -> list[dict | None]:
-        """The samples of a block (``None`` for those skipped as unreadable), ``__shard__`` set."""
+        """The samples of a block (``None`` for those skipped as unreadable), ``__shard__`` and
+        ``__pad__`` set."""
         shard, start, stop, _ = block
         info = self.index.shards[shard]
         samples: list[dict | None] = []
         try:
             if isinstance(payload, ShardError):
                 raise payload
-            samples.extend(decode_shard_range(info, payload, start, stop))
+            constants = {"__shard__": info.url, "__pad__": False}
+            samples.extend(decode_shard_range(info, payload, start, stop, constants))
         except ShardError as exc:
             self._skip(info.url, exc, stop - start - len(samples))
-        deque(map(dict.__setitem__, samples, repeat("__shard__"), repeat(info.url)), maxlen=0)
         samples.extend([None] * (stop - start - len(samples)))
         return samples
 
@@ -511,12 +526,13 @@ def _groups(positions: Intervals, size: int) -> Iterator[np.ndarray]:
         yield np.concatenate(pending)
 
 
-def _picked(samples: list, indices: list[int]) -> Iterator:
-    """``samples[i] for i in indices``, letting go of each sample as it is handed out: the
-    memory of consumed samples is then reused while it is still in cache."""
+def _picked(samples: list, indices: list[int]) -> list:
+    """``samples[i] for i in indices`` as a stack over ``_DONE``, to hand out with
+    ``iter(stack.pop, _DONE)``: each sample is let go of as it is handed out, so the memory of
+    consumed samples is reused while it is still in cache."""
     stack = [_DONE]
     stack += map(samples.__getitem__, reversed(indices))
-    return iter(stack.pop, _DONE)
+    return stack
 
 
 class _Cursor:
