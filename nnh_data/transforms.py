@@ -102,9 +102,13 @@ def apply_augmentation(
     batch = images if images.dim() == 4 else images.unsqueeze(0)
     cols = _param_columns(params, batch.shape[0])
     out = torch.empty_like(batch)
+    drawn = None  # drawn for the whole batch at once, so groups do not change the numbers
+    if generator is not None and bool(cols["noise"].any()):
+        drawn = torch.randn(batch.shape, generator=generator, device=batch.device)
     for lo, hi in _chunks(batch):
         part = {k: v[lo:hi] for k, v in cols.items()}
-        out[lo:hi] = _augment(batch[lo:hi], part, padding_mode, (low, high), generator)
+        z = None if drawn is None else drawn[lo:hi]
+        out[lo:hi] = _augment(batch[lo:hi], part, padding_mode, (low, high), z)
     return out if images.dim() == 4 else out.squeeze(0)
 
 
@@ -124,14 +128,15 @@ def _augment(
     cols: dict[str, Tensor],
     padding_mode: str,
     value_range: tuple[float, float],
-    generator: torch.Generator | None,
+    drawn: Tensor | None,
 ) -> Tensor:
-    """Steps 1-5 on a (N, C, H, W) batch; the result has the batch's dtype."""
+    """Steps 1-5 on a (N, C, H, W) batch (noise ``drawn`` if given, else keyed); the result
+    has the batch's dtype."""
     low, high = value_range
     dtype = torch.float64 if batch.dtype == torch.float64 else torch.float32
     x = _geometry(batch, dtype, cols, padding_mode)
     _photometric_(x, cols)
-    _add_noise_(x, cols, high - low, generator)
+    _add_noise_(x, cols, high - low, drawn)
     x.clamp_(low, high)
     if batch.dtype == torch.uint8:
         x.round_()
@@ -234,17 +239,15 @@ def _photometric_(x: Tensor, cols: dict[str, Tensor]) -> None:
     x.mul_(gain).add_(offset)
 
 
-def _add_noise_(
-    x: Tensor, cols: dict[str, Tensor], width: float, gen: torch.Generator | None
-) -> None:
-    """Add ``noise * width * z`` in place, ``z`` from each sample's seed (or ``gen``)."""
+def _add_noise_(x: Tensor, cols: dict[str, Tensor], width: float, drawn: Tensor | None) -> None:
+    """Add ``noise * width * z`` in place, ``z`` from each sample's seed (or ``drawn``)."""
     std = cols["noise"] * width
     if not bool(std.any()):
         return
-    if gen is None:
+    if drawn is None:
         z = key_noise(cols["seed"].to(x.device), x[0].numel()).reshape(x.shape)
     else:
-        z = torch.randn(x.shape, generator=gen, device=x.device, dtype=torch.float32)
+        z = drawn
     x.addcmul_(z.to(x.dtype), std.to(x.device, x.dtype).view(-1, 1, 1, 1))
 
 

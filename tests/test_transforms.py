@@ -176,9 +176,12 @@ def test_cpu_groups_give_the_one_pass_result(monkeypatch):
     images = torch.randint(0, 256, (7, 3, 40, 40), dtype=torch.uint8)
     p = gen_augmentation_params_batch(np.arange(7), rank_aware=False)
     whole = apply_augmentation(images, p)
+    drawn = apply_augmentation(images, p, generator=torch.Generator().manual_seed(1))
     monkeypatch.setattr(transforms, "_CPU_CHUNK_BYTES", 3 * 40 * 40 * 4 * 2)  # 2-4 images
     assert len(transforms._chunks(images)) > 1
     assert torch.equal(apply_augmentation(images, p), whole)
+    again = apply_augmentation(images, p, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(again, drawn)  # generator noise does not depend on the groups either
 
 
 def test_params_forms_agree():
