@@ -14,15 +14,17 @@ what lets columnar sources (Parquet) stream at close to the speed of pyarrow its
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
+from typing import Any
 
 import numpy as np
 
 Column = list | np.ndarray | dict
 Columns = dict[str, Column]
 
-__all__ = ["Columns", "columns_of", "concat", "cut", "num_rows", "take"]
+__all__ = ["Columns", "columns_of", "concat", "cut", "num_rows", "rows_of", "take"]
 
 
 def num_rows(columns: Columns) -> int:
@@ -35,6 +37,34 @@ def columns_of(samples: Sequence[dict]) -> Columns:
     """Columns of sample dicts: one per key (in first-seen order), ``None`` where it is missing."""
     names = dict.fromkeys(chain.from_iterable(samples))
     return {name: [s.get(name) for s in samples] for name in names}
+
+
+def rows_of(names: Sequence[str], columns: Sequence[Iterable]) -> list[dict]:
+    """Row dicts from columns: row ``i`` maps ``names[j]`` to item ``i`` of ``columns[j]``.
+
+    The rows are as many as the shortest column (so ``itertools.repeat`` fills a constant).
+
+    >>> rows_of(["a", "b"], [[1, 2], "xy"])
+    [{'a': 1, 'b': 'x'}, {'a': 2, 'b': 'y'}]
+    """
+    return _rows_builder(len(names))(*names, columns) if names else []
+
+
+@functools.lru_cache(maxsize=64)
+def _rows_builder(width: int) -> Callable[..., list[dict]]:
+    """``build(k0, ..., k{width-1}, columns)`` for :func:`rows_of`: a comprehension with the dict
+    display written out, about 3x faster per row than ``dict(zip(names, row))``. Only the
+    width goes into the generated code; the names are passed in as arguments."""
+    keys = [f"k{i}" for i in range(width)]
+    values = [f"v{i}" for i in range(width)]
+    display = ", ".join(f"{k}: {v}" for k, v in zip(keys, values))
+    source = (
+        f"def build({''.join(k + ', ' for k in keys)}columns):\n"
+        f"    return [{{{display}}} for {''.join(v + ', ' for v in values)} in zip(*columns)]\n"
+    )
+    namespace: dict[str, Any] = {}
+    exec(source, namespace)  # noqa: S102 - the source is built from the width only
+    return namespace["build"]
 
 
 def take(columns: Columns, indices: np.ndarray) -> Columns:

@@ -33,7 +33,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from nnh_data import batching
 from nnh_data._validate import check_choice, check_int
-from nnh_data.batching import Column, Columns, columns_of
+from nnh_data.batching import Column, Columns, columns_of, rows_of
 from nnh_data.shard_index import (
     ShardIndex,
     ShardInfo,
@@ -313,11 +313,9 @@ def decode_shard_range(
     """
     constants = constants or {}
     if info.format == "parquet":
-        names = [*payload, *constants]
         columns = [c.tolist() if isinstance(c, np.ndarray) else c for c in payload.values()]
         columns += map(itertools.repeat, constants.values())
-        # dict(zip(names, row)) driven by C-level map/zip: no Python loop body per sample.
-        return map(dict, map(zip, itertools.repeat(names), zip(*columns)))
+        return iter(rows_of([*payload, *constants], columns))
     samples = _decode_tar(info, payload, start, stop)
     for key, value in constants.items():  # C-level passes: no Python loop body per sample
         deque(map(dict.__setitem__, samples, itertools.repeat(key), itertools.repeat(value)), 0)

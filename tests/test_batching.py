@@ -1,0 +1,47 @@
+"""Columns of samples (nnh_data.batching): the operations batch mode is built from."""
+
+from __future__ import annotations
+
+from itertools import repeat
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nnh_data.batching import columns_of, concat, cut, num_rows, rows_of, take
+
+names = st.lists(st.text(min_size=1, max_size=5), min_size=0, max_size=12)
+
+
+@given(names, st.integers(0, 6))
+def test_rows_of_is_dict_zip_per_row(keys, rows):
+    columns = [[(k, i) for i in range(rows)] for k in keys]
+    expected = [dict(zip(keys, row)) for row in zip(*columns)]
+    assert rows_of(keys, columns) == (expected if keys else [])
+
+
+def test_rows_of_fills_constants_and_round_trips_columns_of():
+    rows = rows_of(["a", "b", "c"], [[1, 2, 3], repeat("s"), np.arange(3).tolist()])
+    assert rows == [{"a": i + 1, "b": "s", "c": i} for i in range(3)]
+    assert columns_of(rows) == {"a": [1, 2, 3], "b": ["s"] * 3, "c": [0, 1, 2]}
+
+
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=20), st.data())
+def test_take_cut_concat_keep_rows_together(values, data):
+    cols = {"n": np.array(values), "s": [str(v) for v in values], "nested": {"x": np.array(values)}}
+    order = np.array(data.draw(st.permutations(range(len(values)))), dtype=np.int64)
+    taken = take(cols, order)
+    assert (
+        taken["s"]
+        == [str(v) for v in taken["n"].tolist()]
+        == [str(v) for v in taken["nested"]["x"]]
+    )
+    split = data.draw(st.integers(0, len(values)))
+    joined = concat([cut(taken, 0, split), cut(taken, split, len(values))])
+    assert num_rows(joined) == len(values) and joined["s"] == taken["s"]
+    assert joined["n"].tolist() == taken["n"].tolist()
+
+
+def test_concat_fills_missing_columns_and_mixes_numpy_with_lists():
+    joined = concat([{"a": np.array([1, 2]), "b": [1, 2]}, {"a": [3], "c": ["z"]}])
+    assert joined == {"a": [1, 2, 3], "b": [1, 2, None], "c": [None, None, "z"]}
