@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from nnh_data.batching import rows_of
+
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
 # name, size, typeflag: the ustar fields read for every member (the ustar prefix only where it is
@@ -360,7 +362,7 @@ def _group(
     samples = []
     if values is not None:
         columns = [values[j:done:width] for j in range(head, head + width)]
-        samples = list(map(dict, map(zip, repeat(names), zip(keys, *columns))))
+        samples = rows_of(names, [keys, *columns])
     return firsts, samples + tail[1], tail[2]
 
 
