@@ -158,9 +158,9 @@ class ShardedStreamingDataset(IterableDataset):
     ``batch_size`` consecutive samples of the same stream, ``__aug__`` as the columns of
     ``gen_augmentation_params_batch``, ``__index__`` and ``__pad__`` as numpy arrays, Parquet
     numeric columns as numpy arrays and other values as lists. No dict is built per sample,
-    which makes Parquet stream at pyarrow's speed. Worker ranges are cut in whole batches, so
-    ``len()`` is the rank's number of batches whatever ``num_workers``, and a rank has at most
-    one short batch (its last). ``decode`` then receives each batch.
+    so Parquet streams at about the speed of pyarrow itself. Worker ranges are cut in whole
+    batches, so ``len()`` is the rank's number of batches whatever ``num_workers``, and a rank
+    has at most one short batch (its last). ``decode`` then receives each batch.
 
     Example:
         >>> ds = ShardedStreamingDataset("data/train-{000000..000009}.tar")  # doctest: +SKIP
