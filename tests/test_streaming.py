@@ -191,6 +191,17 @@ def test_skip_counts_and_warns_once_per_shard(tar_shards, parquet_shards):
     assert ds.error_counts == {pq_urls[0]: 6}
 
 
+def test_a_parquet_file_rewritten_between_passes_is_read_afresh(tmp_path):
+    """Open Parquet files are kept between reads of one pass only."""
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(pa.table({"x": [1, 2, 3]}), path)
+    index = build_shard_index(path)
+    ds = ShardedStreamingDataset(index, shuffle=False)
+    assert [s["x"] for s in ds] == [1, 2, 3]
+    pq.write_table(pa.table({"x": [7, 8, 9]}), path)  # same size, so the index still holds
+    assert [s["x"] for s in ds] == [7, 8, 9]
+
+
 def test_skip_keeps_a_shard_found_unreadable_while_indexing(tar_shards):
     urls = tar_shards([4, 4, 4])
     _truncate(urls[1], 512 * 5)
