@@ -200,3 +200,20 @@ def test_batch_parameters_apply_like_the_samples_own(parquet_shards):
     images = torch.rand(9, 3, 12, 12, generator=torch.Generator().manual_seed(0))
     expected = apply_augmentation(images, [s["__aug__"] for s in samples])
     torch.testing.assert_close(apply_augmentation(images, batch["__aug__"]), expected)
+
+
+def test_a_per_sample_state_resumes_in_batch_mode(tar_shards):
+    urls = tar_shards([9, 4, 7])
+    handed, states = [], []
+    for rank in range(2):
+        ds = ShardedStreamingDataset(urls, rank=rank, world_size=2, **SETTINGS)
+        it = iter(ds)
+        handed += [(s["__index__"], s["__pad__"]) for s in (next(it) for _ in range(3))]
+        states.append(ds.state_dict())
+    assert states[0] == states[1] and states[0]["batch_size"] is None
+    rest = []
+    for rank in range(3):
+        ds = ShardedStreamingDataset(urls, rank=rank, world_size=3, batch_size=2, **SETTINGS)
+        ds.load_state_dict(states[0])
+        rest += [item for b in ds for item in _items(b)]
+    _check_union(handed, rest, 20)
