@@ -244,10 +244,9 @@ def _add_noise_(x: Tensor, cols: dict[str, Tensor], width: float, drawn: Tensor 
     std = cols["noise"] * width
     if not bool(std.any()):
         return
-    if drawn is None:
+    z = drawn
+    if z is None:
         z = key_noise(cols["seed"].to(x.device), x[0].numel()).reshape(x.shape)
-    else:
-        z = drawn
     x.addcmul_(z.to(x.dtype), std.to(x.device, x.dtype).view(-1, 1, 1, 1))
 
 
