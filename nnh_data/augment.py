@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from nnh_data._validate import check_int, check_pair
+from nnh_data.checks import check_int, check_pair
 from nnh_data.ranges import DistributedRangeSplitter
 from nnh_data.seeding import as_sample_ids, sample_seeds, stream_key, uniform_draws
 

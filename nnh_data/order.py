@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nnh_data._validate import check_choice, check_int
+from nnh_data.checks import check_choice, check_int
 from nnh_data.ranges import DistributedRangeSplitter
 from nnh_data.seeding import GOLDEN, MASK64, mix64_int, sample_seeds, stream_key
 

@@ -7,7 +7,7 @@ method is O(1): the boundaries are closed-form, nothing is materialised.
 
 from __future__ import annotations
 
-from nnh_data._validate import check_int
+from nnh_data.checks import check_int
 
 
 class DistributedRangeSplitter:

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from nnh_data._validate import check_int
+from nnh_data.checks import check_int
 
 T = TypeVar("T")
 R = TypeVar("R")

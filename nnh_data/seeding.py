@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from nnh_data._validate import check_int
+from nnh_data.checks import check_int
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15

@@ -32,8 +32,8 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from nnh_data import batching
-from nnh_data._validate import check_choice, check_int
 from nnh_data.batching import Column, Columns, columns_of, rows_of
+from nnh_data.checks import check_choice, check_int
 from nnh_data.shard_index import (
     ShardIndex,
     ShardInfo,

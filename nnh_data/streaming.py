@@ -28,7 +28,6 @@ by a worker's state until the loader yields the batch that holds them.
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,14 +35,13 @@ from itertools import chain
 from typing import Any
 
 import numpy as np
-import torch.distributed as dist
 from fsspec.utils import get_protocol
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 
 from nnh_data import batching
-from nnh_data._validate import check_choice, check_int
 from nnh_data.augment import AugmentationConfig, _rows, gen_augmentation_params_batch
 from nnh_data.batching import Columns
+from nnh_data.checks import check_choice, check_int
 from nnh_data.order import (
     UNEVEN,
     EpochOrder,
@@ -65,8 +63,9 @@ from nnh_data.shards import (
     forget_open_files,
     split_shard_range,
 )
+from nnh_data.topology import dist_info, worker_info
 
-__all__ = ["ShardedStreamingDataset", "dist_info", "merge_states", "state_from_loader"]
+__all__ = ["ShardedStreamingDataset", "merge_states", "state_from_loader"]
 
 STATE_VERSION = 1
 _READ_BYTES = 8 << 20
@@ -81,32 +80,9 @@ _LAYOUT_KEYS = (
 _SKIPPED = "__skipped__"  # column of the rows of unreadable blocks, in batch mode
 
 
-def dist_info(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
-    """``(rank, world_size)``: the arguments when given, else torch.distributed when
-    initialised, else the environment (``RANK``, ``WORLD_SIZE``), else ``(0, 1)``."""
-    if world_size is None:
-        if dist.is_available() and dist.is_initialized():
-            world_size = dist.get_world_size()
-        else:
-            world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if rank is None:
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank()
-        else:
-            rank = int(os.environ.get("RANK", 0))
-    world_size = check_int("world_size", world_size, low=1)
-    return check_int("rank", rank, low=0, high=world_size - 1), world_size
-
-
 def _is_local(index: ShardIndex) -> bool:
     """True when the shards lie on a local or in-memory filesystem (judged by the first)."""
     return not index.shards or get_protocol(index.shards[0].url) in _LOCAL_PROTOCOLS
-
-
-def _worker() -> tuple[int, int]:
-    """``(worker id, number of workers)`` of the DataLoader worker running this code."""
-    info = get_worker_info()
-    return (0, 1) if info is None else (info.id, info.num_workers)
 
 
 @dataclass
@@ -324,7 +300,7 @@ class ShardedStreamingDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         # Resolved here, not in the generator: StatefulDataLoader snapshots the state right
         # after iter(), before the first sample is requested.
-        worker, num_workers = _worker()
+        worker, num_workers = worker_info()
         forget_open_files()
         run = self._pass = self._start_pass(worker, num_workers)
         layout = (run.base, run.world_size, self.rank, num_workers, worker, self.uneven)

@@ -52,8 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nnh_data._validate import check_choice, check_pair
 from nnh_data.augment import PARAM_NAMES
+from nnh_data.checks import check_choice, check_pair
 from nnh_data.seeding import GOLDEN
 
 PADDING_MODES = ("zeros", "border", "reflection")

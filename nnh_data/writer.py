@@ -20,7 +20,7 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from webdataset.writer import make_encoder
 
-from nnh_data._validate import check_int
+from nnh_data.checks import check_int
 from nnh_data.shard_index import (
     ShardIndex,
     ShardInfo,

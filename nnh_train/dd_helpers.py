@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nnh_data._validate import check_int
+from nnh_data.checks import check_int
 from nnh_train._outcome import Outcome, pack_value
 
 __all__ = [

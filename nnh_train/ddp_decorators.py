@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nnh_data._validate import check_int
+from nnh_data.checks import check_int
 from nnh_train._outcome import Outcome, pack_error, pack_value
 
 __all__ = [

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nnh_data._validate import check_int
+from nnh_data.checks import check_int
 from nnh_train.slurm import expand_slurm_nodelist, expand_tasks_per_node
 
 __all__ = ["DEFAULT_TIMEOUT", "DistInfo", "get_dist_info", "initialize_ddp"]

@@ -19,7 +19,8 @@ from worker_sim import simulated
 
 from nnh_data.augment import gen_augmentation_params, gen_distributed_augmentation_params
 from nnh_data.shards import ShardError, build_shard_index
-from nnh_data.streaming import ShardedStreamingDataset, dist_info
+from nnh_data.streaming import ShardedStreamingDataset
+from nnh_data.topology import dist_info
 
 LAYOUTS = {"uneven": [7, 1, 12, 3], "empty": [5, 0, 6, 0, 0], "one": [9], "few": [4, 3]}
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -259,3 +260,20 @@ def test_reads_from_s3_through_moto(moto_s3, tar_shards):
     _check_epoch(per_rank, 15, [8, 8])
     assert per_rank[0][0]["__shard__"].startswith("s3://streaming-test/data/")
     assert all(s["bin"][:8] == s["__index__"].to_bytes(8, "little") for s in per_rank[1])
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"WORLD_SIZE": "two", "RANK": "0"}, "WORLD_SIZE must be an integer, got 'two'"),
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE is 2 but RANK is not set"),
+        ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK must be below WORLD_SIZE=2"),
+        ({"WORLD_SIZE": "2", "RANK": "-1"}, "RANK must be >= 0"),
+    ],
+)
+def test_bad_launch_environment_names_the_variable(monkeypatch, tar_shards, env, message):
+    monkeypatch.delenv("RANK", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        ShardedStreamingDataset(tar_shards([2]))

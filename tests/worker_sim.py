@@ -2,15 +2,12 @@
 
 ``simulated(ds, workers, monkeypatch)`` is what ``DataLoader(ds, num_workers=workers)`` yields
 (workers one after the other instead of interleaved): the dataset discovers its worker through
-``nnh_data.streaming.get_worker_info``, patched here. Fast enough for large test grids; a few
-tests run real workers and check they agree.
+:func:`nnh_data.topology.worker_info`, which the ``WORKER``/``NUM_WORKERS`` environment
+variables override. Fast enough for large test grids; a few tests run real workers and check
+they agree.
 """
 
 from __future__ import annotations
-
-import types
-
-import nnh_data.streaming as streaming
 
 
 def simulated(ds, workers: int, monkeypatch) -> list:
@@ -19,8 +16,8 @@ def simulated(ds, workers: int, monkeypatch) -> list:
         return list(ds)
     out = []
     for k in range(workers):
-        info = types.SimpleNamespace(id=k, num_workers=workers)
         with monkeypatch.context() as patch:
-            patch.setattr(streaming, "get_worker_info", lambda info=info: info)
+            patch.setenv("WORKER", str(k))
+            patch.setenv("NUM_WORKERS", str(workers))
             out += list(ds)
     return out

@@ -7,6 +7,8 @@ import math
 import operator
 from typing import Any
 
+__all__ = ["check_choice", "check_int", "check_pair"]
+
 
 def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
     """Return ``value`` as an ``int`` if it is an integer (not a bool) within ``[low, high]``."""
