@@ -2,8 +2,11 @@
 
 The sidecar (``nnh-index.json`` next to the first shard, or any ``index_path``) maps each shard,
 by its path relative to the sidecar's folder (or its full URL), to its format, byte size,
-sample count and seek positions. An entry is reused while the shard's size is unchanged, so a
-sidecar serves several shard sets in one folder and a rebuild re-scans only what changed.
+version, sample count and seek positions. The version is what the filesystem's listing says
+identifies this content of the file (an object store's ETag or version id, else the
+modification time): an entry is reused only while size and version are unchanged, because a
+rewritten tar keeps its size more often than not (tar pads to 10 KiB records). So a sidecar
+serves several shard sets in one folder and a rebuild re-scans only what changed.
 Seek positions are stored delta-encoded (sample sizes in 512-byte tar blocks, rows per Parquet
 row group) as base64 text of the narrowest integers that fit: about 1.4 bytes per small tar
 sample, so the sidecar of 10,000 shards loads in milliseconds and is decoded per shard on use.
@@ -27,8 +30,28 @@ from fsspec.core import url_to_fs
 
 from nnh_data.sources import FORMATS
 
+__all__ = [
+    "INDEX_NAME",
+    "ShardIndex",
+    "ShardInfo",
+    "cached_infos",
+    "decode_offsets",
+    "default_index_path",
+    "encode_offsets",
+    "file_stats",
+    "file_version",
+    "load_entries",
+    "save_entries",
+    "temporary_path",
+    "updated_entries",
+    "write_atomic",
+]
+
 INDEX_NAME = "nnh-index.json"
-INDEX_VERSION = 2
+INDEX_VERSION = 3
+# listing fields that identify a file's content, most specific first (S3, GCS, Azure, local, ...)
+_VERSION_FIELDS = ("VersionId", "ETag", "generation", "etag", "mtime", "LastModified",
+                   "last_modified", "updated", "created")  # fmt: skip
 _UNITS = {"tar": 512, "parquet": 1}  # tar offsets are whole 512-byte blocks
 
 
@@ -38,8 +61,9 @@ class ShardInfo:
 
     ``seek`` is the compact, JSON-safe form of :attr:`offsets` (see :func:`encode_offsets`);
     build a ShardInfo from offsets with :meth:`from_offsets`. ``size`` is the file size in
-    bytes when indexed; ``error`` is set (and ``num_samples`` is 0) for a shard skipped as
-    unreadable.
+    bytes when indexed and ``version`` what identified its content then (:func:`file_version`);
+    ``nullable`` names the Parquet columns that hold nulls (or lack statistics to tell);
+    ``error`` is set (and ``num_samples`` is 0) for a shard skipped as unreadable.
     """
 
     url: str
@@ -48,16 +72,27 @@ class ShardInfo:
     seek: str = ""
     size: int = -1
     error: str | None = None
+    version: str = ""
+    nullable: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
 
     @classmethod
-    def from_offsets(cls, url: str, format: str, offsets: Sequence[int], size: int) -> ShardInfo:
+    def from_offsets(
+        cls,
+        url: str,
+        format: str,
+        offsets: Sequence[int],
+        size: int,
+        version: str = "",
+        nullable: Sequence[str] = (),
+    ) -> ShardInfo:
         """A ShardInfo for a shard whose pieces start at ``offsets`` (see :attr:`offsets`)."""
         num_samples = len(offsets) - 1 if format == "tar" else int(offsets[-1])
-        return cls(url, format, num_samples, encode_offsets(offsets, format), size)
+        seek = encode_offsets(offsets, format)
+        return cls(url, format, num_samples, seek, size, None, version, tuple(nullable))
 
     @cached_property
     def offsets(self) -> np.ndarray:
@@ -126,18 +161,22 @@ def _entry_key(url: str, index_path: str) -> str:
 def cached_infos(
     urls: Sequence[str],
     formats: Sequence[str],
-    sizes: Sequence[int],
+    stats: Sequence[tuple[int, str]],
     entries: dict[str, Any],
     index_path: str,
 ) -> list[ShardInfo | None]:
-    """The ShardInfo of each URL whose sidecar entry still matches (format and size), else None."""
+    """The ShardInfo of each URL whose sidecar entry still matches (format, size and version,
+    from :func:`file_stats`), else None."""
     infos: list[ShardInfo | None] = []
-    for url, format, size in zip(urls, formats, sizes):
+    for url, format, (size, version) in zip(urls, formats, stats):
         entry = entries.get(_entry_key(url, index_path))
-        if entry is None or entry["format"] != format or entry["size"] != size:
+        if entry is None or (entry["format"], entry["size"], entry["version"]) != (
+            format, size, version
+        ):  # fmt: skip
             infos.append(None)
             continue
-        infos.append(ShardInfo(url, format, entry["num_samples"], entry["seek"], size))
+        count, seek, nullable = entry["num_samples"], entry["seek"], entry.get("nullable", ())
+        infos.append(ShardInfo(url, format, count, seek, size, None, version, tuple(nullable)))
     return infos
 
 
@@ -151,8 +190,10 @@ def updated_entries(
             merged[_entry_key(info.url, index_path)] = {
                 "format": info.format,
                 "size": info.size,
+                "version": info.version,
                 "num_samples": info.num_samples,
                 "seek": info.seek,
+                **({"nullable": list(info.nullable)} if info.nullable else {}),
             }
     return merged
 
@@ -195,13 +236,30 @@ def temporary_path(path: str) -> str:
     return posixpath.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
 
 
-def file_sizes(fs: AbstractFileSystem, paths: Sequence[str]) -> list[int]:
-    """The size of each file, from one listing per folder (a stat or request per file is slow)."""
-    listed: dict[str, int] = {}
+def file_version(item: dict[str, Any]) -> str:
+    """What identifies the content of a file in an fsspec listing or ``info()`` entry: its
+    ETag or version id on object stores, else its modification time (``""`` if none)."""
+    for field in _VERSION_FIELDS:
+        if item.get(field) is not None:
+            return f"{field}={item[field]}"
+    return ""
+
+
+def file_stats(fs: AbstractFileSystem, paths: Sequence[str]) -> list[tuple[int, str]]:
+    """``(size, version)`` of each file, from one listing per folder (a stat or a request per
+    file is slow); ``FileNotFoundError`` naming the first missing shard."""
+    listed: dict[str, tuple[int, str]] = {}
     for folder in dict.fromkeys(posixpath.dirname(p) for p in paths):
-        for item in fs.ls(folder, detail=True):
-            listed[fs._strip_protocol(item["name"])] = item["size"]
+        try:
+            items = fs.ls(folder, detail=True)
+        except FileNotFoundError:
+            continue
+        for item in items:
+            listed[fs._strip_protocol(item["name"])] = (item["size"], file_version(item))
     missing = [p for p in paths if p not in listed]
     if missing:
-        raise FileNotFoundError(f"shard not found: {missing[0]!r} ({len(missing)} missing)")
+        raise FileNotFoundError(
+            f"shard not found: {missing[0]!r} "
+            f"({len(missing)} of {len(paths)} missing)"
+        )
     return [listed[p] for p in paths]

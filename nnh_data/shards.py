@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
+from tqdm.auto import tqdm
 
 from nnh_data import batching
 from nnh_data.batching import Column, Columns, columns_of, rows_of
@@ -39,21 +40,24 @@ from nnh_data.shard_index import (
     ShardInfo,
     cached_infos,
     default_index_path,
-    file_sizes,
+    file_stats,
     load_entries,
     save_entries,
     updated_entries,
 )
 from nnh_data.sources import detect_format, expand_sources, shard_filesystem
-from nnh_data.tar_format import TarFormatError, parse_samples
+from nnh_data.tar_format import BLOCK, ZERO_BLOCK, TarFormatError, parse_samples
+from nnh_data.topology import dist_info
 
 __all__ = [
     "ShardError",
+    "StaleIndexError",
     "ShardIndex",
     "ShardInfo",
     "build_shard_index",
     "decode_shard_columns",
     "decode_shard_range",
+    "decode_tar_each",
     "expand_sources",
     "fetch_shard_range",
     "iter_shard_samples",
@@ -83,6 +87,23 @@ class ShardError(RuntimeError):
         return f"{self.url}: {self.reason} (at {self.position})"
 
 
+class StaleIndexError(ShardError):
+    """The shard's bytes are not what its index entry says: it was rewritten after indexing.
+
+    Never skipped by ``on_error="skip"``: reading on would yield fewer or more samples than the
+    shard holds. Rebuild the index (``nnh-data index --rebuild SOURCE`` or
+    ``build_shard_index(..., rebuild=True)``).
+    """
+
+    def __init__(self, url: str, position: str = "", reason: str = "") -> None:
+        if reason and "rebuild" not in reason:
+            reason += (
+                ": the shard changed since it was indexed; rebuild the index with "
+                "`nnh-data index --rebuild SOURCE` or build_shard_index(..., rebuild=True)"
+            )
+        super().__init__(url, position, reason)
+
+
 def build_shard_index(
     source: str | Sequence[str],
     *,
@@ -108,20 +129,23 @@ def build_shard_index(
     urls = expand_sources(source, storage_options)
     formats = [detect_format(url, format) for url in urls]
     fs, paths = shard_filesystem(urls, storage_options)
-    sizes = file_sizes(fs, paths)
+    stats = file_stats(fs, paths)
     index_path = index_path or default_index_path(urls)
     entries = {} if rebuild else load_entries(index_path, storage_options)
-    infos = cached_infos(urls, formats, sizes, entries, index_path)
+    infos = cached_infos(urls, formats, stats, entries, index_path)
     todo = [i for i, info in enumerate(infos) if info is None]
 
     def scan(i: int) -> ShardInfo:
-        return _scan_or_skip(fs, paths[i], urls[i], formats[i], sizes[i], on_error)
+        return _scan_or_skip(fs, paths[i], urls[i], formats[i], stats[i], on_error)
 
     # Threads overlap remote requests; local scans are CPU-bound and run faster without them.
     threads = 1 if isinstance(fs, LocalFileSystem) else _SCAN_THREADS
-    with ThreadPoolExecutor(min(threads, max(1, len(todo)))) as pool:
+    bar = tqdm(total=len(todo), desc="indexing shards", unit="shard", delay=1.0,
+               disable=not todo or dist_info()[0] != 0)  # fmt: skip
+    with bar, ThreadPoolExecutor(min(threads, max(1, len(todo)))) as pool:
         for i, info in zip(todo, pool.map(scan, todo)):
             infos[i] = info
+            bar.update()
     if todo:
         _save_or_warn(index_path, updated_entries(entries, infos, index_path), storage_options)
     return ShardIndex(tuple(infos), index_path)
@@ -135,31 +159,58 @@ def _save_or_warn(index_path: str, entries: dict, storage_options: dict | None) 
 
 
 def _scan_or_skip(
-    fs: AbstractFileSystem, path: str, url: str, format: str, size: int, on_error: str
+    fs: AbstractFileSystem,
+    path: str,
+    url: str,
+    format: str,
+    stat: tuple[int, str],
+    on_error: str,
 ) -> ShardInfo:
     try:
-        return scan_shard(fs, path, url, format, size)
+        return scan_shard(fs, path, url, format, stat)
     except ShardError as exc:
         if on_error == "raise":
             raise
         warnings.warn(f"skipping unreadable shard: {exc}", stacklevel=4)
-        return ShardInfo(url, format, 0, size=size, error=str(exc))
+        return ShardInfo(url, format, 0, size=stat[0], error=str(exc), version=stat[1])
 
 
-def scan_shard(fs: AbstractFileSystem, path: str, url: str, format: str, size: int) -> ShardInfo:
-    """Index one shard (``path`` on ``fs``, ``size`` bytes); raises :class:`ShardError`."""
+def scan_shard(
+    fs: AbstractFileSystem, path: str, url: str, format: str, stat: tuple[int, str]
+) -> ShardInfo:
+    """Index one shard (``path`` on ``fs``; ``stat`` its size and version from
+    :func:`file_stats`); raises :class:`ShardError`."""
+    size, version = stat
     if format == "parquet":
         try:
             metadata = pq.read_metadata(path, filesystem=fs)
         except (pa.ArrowException, OSError) as exc:
             raise ShardError(url, "footer", f"unreadable Parquet file ({exc})") from exc
-        rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
-        return ShardInfo.from_offsets(url, format, [0, *itertools.accumulate(rows)], size)
+        offsets = [0, *itertools.accumulate(_row_group_rows(metadata))]
+        nullable = _nullable_columns(metadata)
+        return ShardInfo.from_offsets(url, format, offsets, size, version, nullable)
     try:
         offsets = _scan_tar(fs, path, size)
     except TarFormatError as exc:
         raise ShardError(url, f"byte {exc.offset}", exc.reason) from exc
-    return ShardInfo.from_offsets(url, format, offsets, size)
+    return ShardInfo.from_offsets(url, format, offsets, size, version)
+
+
+def _row_group_rows(metadata: pq.FileMetaData) -> list[int]:
+    return [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+
+
+def _nullable_columns(metadata: pq.FileMetaData) -> list[str]:
+    """Top-level columns with a null in some row group, or without statistics to tell."""
+    found: dict[str, None] = {}
+    for g in range(metadata.num_row_groups):
+        group = metadata.row_group(g)
+        for c in range(group.num_columns):
+            column = group.column(c)
+            stats = column.statistics
+            if stats is None or not stats.has_null_count or stats.null_count > 0:
+                found[column.path_in_schema.split(".")[0]] = None
+    return list(found)
 
 
 def _scan_tar(fs: AbstractFileSystem, path: str, size: int) -> tuple[int, ...]:
@@ -215,34 +266,52 @@ def _piece(offsets: np.ndarray, position: int) -> int:
 
 
 def fetch_shard_range(
-    info: ShardInfo, start: int, stop: int, *, storage_options: dict[str, Any] | None = None
+    info: ShardInfo,
+    start: int,
+    stop: int,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    nullable: Sequence[str] | None = None,
 ) -> bytes | Columns:
     """Read what samples ``[start, stop)`` of the shard need (thread-safe).
 
-    Tar: their byte range in one read (``bytes``). Parquet: their rows as columns
-    (:func:`decode_shard_columns` says which), ``__key__`` added. Raises :class:`ShardError`
-    when the shard cannot be read.
+    Tar: their byte range in one read (``bytes``). Parquet: their rows as columns, ``__key__``
+    added (the file's stem and row number unless the file has a ``__key__`` column). Numeric
+    and boolean columns come as numpy arrays, except those named in ``nullable`` (default: the
+    shard's own ``info.nullable``; a dataset passes the union over its shards, so a column has
+    one type in every batch): those, and every other type, as lists of Python values with
+    ``None`` for nulls. Raises :class:`ShardError` when the shard cannot be read and
+    :class:`StaleIndexError` when it does not match its index.
     """
+    nullable = info.nullable if nullable is None else nullable
     check_int("start", start, low=0, high=info.num_samples)
     check_int("stop", stop, low=start, high=info.num_samples)
     if info.format == "parquet":
-        return _fetch_parquet(info, start, stop, storage_options)
+        return _fetch_parquet(info, start, stop, storage_options, frozenset(nullable or ()))
     fs, path = url_to_fs(info.url, **(storage_options or {}))
     low, high = int(info.offsets[start]), int(info.offsets[stop])
-    if low == high:
+    # The shard's last range also reads the block after it: the end-of-archive marker there
+    # proves the index saw every sample (a rewritten shard often keeps its size).
+    end = high + BLOCK if stop == info.num_samples and high + BLOCK <= info.size else high
+    if low == end:
         return b""
     try:
-        data = fs.cat_file(path, start=low, end=high)
+        data = fs.cat_file(path, start=low, end=end)
     except OSError as exc:
         raise ShardError(info.url, _tar_position(info, low), f"unreadable ({exc})") from exc
-    if len(data) < high - low:
+    if len(data) < end - low:
         position = _tar_position(info, low + len(data))
-        raise ShardError(info.url, position, "truncated tar (unexpected end of file)")
+        reason = "truncated tar: the shard ends before its indexed end"
+        raise StaleIndexError(info.url, position, reason)
     return data
 
 
 def _fetch_parquet(
-    info: ShardInfo, start: int, stop: int, storage_options: dict[str, Any] | None
+    info: ShardInfo,
+    start: int,
+    stop: int,
+    storage_options: dict[str, Any] | None,
+    nullable: frozenset[str],
 ) -> Columns:
     first = _piece(info.offsets, start)
     groups = range(first, max(first, int(np.searchsorted(info.offsets, stop))))
@@ -255,7 +324,10 @@ def _fetch_parquet(
             batch = next(batches)
             if skip < batch.num_rows:
                 part = batch.slice(skip, rows)
-                parts.append({n: _column_values(c) for n, c in zip(part.schema.names, part)})
+                names = part.schema.names
+                parts.append(
+                    {n: _column_values(info, n, c, n in nullable) for n, c in zip(names, part)}
+                )
                 rows -= part.num_rows
             skip = max(0, skip - batch.num_rows)
     except (pa.ArrowException, OSError, StopIteration) as exc:
@@ -263,15 +335,19 @@ def _fetch_parquet(
         raise ShardError(info.url, position, f"unreadable Parquet file ({exc!r})") from exc
     columns = batching.concat(parts) if parts else {}
     if "__key__" not in columns:
-        columns["__key__"] = list(map(str, range(start, stop)))
+        stem = info.url.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+        columns["__key__"] = [f"{stem}/{row}" for row in range(start, stop)]
     return columns
 
 
-def _column_values(column: pa.Array) -> Column:
-    """Numeric and boolean arrays without nulls as numpy, others as lists of Python values."""
+def _column_values(info: ShardInfo, name: str, column: pa.Array, as_list: bool) -> Column:
+    """Numeric and boolean columns as numpy, unless ``as_list`` (the column is nullable in the
+    dataset): then, like every other type, a list of Python values (``None`` for nulls)."""
     kind = column.type
     numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
-    if numeric and column.null_count == 0:
+    if numeric and not as_list:
+        if column.null_count:
+            raise StaleIndexError(info.url, f"column {name!r}", "a null the index did not list")
         return column.to_numpy(zero_copy_only=False)
     return column.to_pylist()
 
@@ -293,7 +369,13 @@ def _parquet_file(info: ShardInfo, storage_options: dict[str, Any] | None) -> pq
     last = getattr(_open_files, "last", None)
     if last is None or last[0] != key:
         fs, path = url_to_fs(info.url, **(storage_options or {}))
-        _open_files.last = (key, pq.ParquetFile(path, filesystem=fs))
+        pf = pq.ParquetFile(path, filesystem=fs)
+        rows = [0, *itertools.accumulate(_row_group_rows(pf.metadata))]
+        if not np.array_equal(rows, info.offsets):
+            found = f"{rows[-1]} rows in {len(rows) - 1} row groups"
+            indexed = f"{info.num_samples} rows in {len(info.offsets) - 1}"
+            raise StaleIndexError(info.url, "footer", f"the file has {found}, the index {indexed}")
+        _open_files.last = (key, pf)
     return _open_files.last[1]
 
 
@@ -324,17 +406,63 @@ def decode_shard_range(
 
 def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> list[dict]:
     base = int(info.offsets[start])
+    buf = _checked_end(info, buf, start, stop)
     try:
         parsed = parse_samples(buf, 0, len(buf))
-        if parsed.stop < len(buf) and not parsed.end:
-            raise TarFormatError(parsed.stop, "truncated tar (unexpected end of data)")
     except TarFormatError as exc:
         raise ShardError(info.url, _tar_position(info, base + exc.offset), exc.reason) from exc
-    if len(parsed.samples) != stop - start:
-        found = len(parsed.samples)
-        reason = f"expected {stop - start} samples, found {found}: the index is stale"
-        raise ShardError(info.url, _tar_position(info, base), reason)
+    if parsed.stop != len(buf) or len(parsed.samples) != stop - start:
+        found = f"{len(parsed.samples)} samples ending at byte {base + parsed.stop}"
+        expected = f"{stop - start} ending at byte {base + len(buf)}"
+        raise StaleIndexError(info.url, _tar_position(info, base), f"found {found}, the index "
+                              f"says {expected}")  # fmt: skip
+    _warn_if_split(info, parsed.samples)
     return parsed.samples
+
+
+def _checked_end(info: ShardInfo, buf: bytes, start: int, stop: int) -> bytes:
+    """``buf`` without the block read after the shard's last sample, which must be the
+    end-of-archive marker (:func:`fetch_shard_range`)."""
+    size = int(info.offsets[stop] - info.offsets[start])
+    if len(buf) == size:
+        return buf
+    if buf[size:] != ZERO_BLOCK:
+        position = _tar_position(info, int(info.offsets[stop]))
+        raise StaleIndexError(info.url, position, "more data after the last indexed sample")
+    return buf[:size]
+
+
+def _warn_if_split(info: ShardInfo, samples: list[dict]) -> None:
+    """Warn when one key names several samples: its members were not stored together (as
+    `tar -C dir .` stores files in directory order), so each part is read as a sample."""
+    keys = [sample["__key__"] for sample in samples]
+    if len(set(keys)) < len(keys):
+        seen: set[str] = set()
+        key = next(k for k in keys if k in seen or seen.add(k))
+        warnings.warn(
+            f"{info.url}: the members of sample {key!r} are not contiguous, so each run of them "
+            "is read as a separate sample; write shards with write_shards() or `tar --sort=name`",
+            stacklevel=3,
+        )
+
+
+def decode_tar_each(info: ShardInfo, buf: bytes, start: int, stop: int) -> list[dict | ShardError]:
+    """Samples ``[start, stop)`` from a tar payload one at a time: each sample, or the
+    :class:`ShardError` that makes it unreadable. Where a block holds a bad header, this keeps
+    every other sample of it (the index knows where each one starts)."""
+    base = int(info.offsets[start])
+    buf = _checked_end(info, buf, start, stop)
+    out: list[dict | ShardError] = []
+    for i in range(start, stop):
+        low, high = int(info.offsets[i]) - base, int(info.offsets[i + 1]) - base
+        try:
+            parsed = parse_samples(buf, low, high)
+            if parsed.stop != high or len(parsed.samples) != 1:
+                raise TarFormatError(parsed.stop, "the sample does not end where indexed")
+            out.append(parsed.samples[0])
+        except TarFormatError as exc:
+            out.append(ShardError(info.url, _tar_position(info, base + exc.offset), exc.reason))
+    return out
 
 
 def _tar_position(info: ShardInfo, offset: int) -> str:

@@ -13,8 +13,11 @@ import braceexpand
 from fsspec import AbstractFileSystem
 from fsspec.core import split_protocol, url_to_fs
 
+__all__ = ["FORMATS", "detect_format", "expand_sources", "shard_filesystem"]
+
 FORMATS = ("tar", "parquet")
 _EXTENSIONS = {".tar": "tar", ".parquet": "parquet", ".pq": "parquet"}
+_COMPRESSED = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
 _GLOB_CHARS = frozenset("*?[")
 
 
@@ -24,7 +27,8 @@ def expand_sources(
     """Expand ``source`` into shard URLs, in a stable order.
 
     Brace patterns keep zero padding (``{000000..000063}``) and take lists (``{train,val}``);
-    globs are matched on the filesystem and sorted; plain URLs are kept as given.
+    globs are matched on the filesystem and sorted; a folder stands for the shards in it
+    (``*.tar``, ``*.parquet``, ``*.pq``, sorted); other URLs are kept as given.
 
     >>> expand_sources("data/train-{000000..000002}.tar")
     ['data/train-000000.tar', 'data/train-000001.tar', 'data/train-000002.tar']
@@ -33,7 +37,10 @@ def expand_sources(
     urls: list[str] = []
     for pattern in patterns:
         for url in braceexpand.braceexpand(pattern):
-            urls.extend(_glob(url, storage_options) if _GLOB_CHARS & set(url) else [url])
+            if _GLOB_CHARS & set(url):
+                urls.extend(_glob(url, storage_options))
+            else:
+                urls.extend(_folder_shards(url, storage_options) or [url])
     if not urls:
         raise ValueError(f"source must name at least one shard, got {source!r}")
     return urls
@@ -49,6 +56,29 @@ def _glob(url: str, storage_options: dict[str, Any] | None) -> list[str]:
     return [fs.unstrip_protocol(p) for p in found]
 
 
+def _folder_shards(url: str, storage_options: dict[str, Any] | None) -> list[str]:
+    """The shards inside ``url`` when it names a folder (judged without a request when the name
+    has a shard extension); ``[]`` otherwise."""
+    name = url.rstrip("/").rsplit("/", 1)[-1].lower()
+    if name.endswith((*_EXTENSIONS, *_COMPRESSED)):
+        return []
+    fs, path = url_to_fs(url, **(storage_options or {}))
+    if not fs.isdir(path):
+        return []
+    base = url.rstrip("/")
+    found = [
+        f"{base}/{item.rsplit('/', 1)[-1]}"
+        for item in sorted(fs.ls(path, detail=False))
+        if item.lower().endswith(tuple(_EXTENSIONS))
+    ]
+    if not found:
+        raise FileNotFoundError(
+            f"no shards (*.tar, *.parquet, *.pq) in folder {url!r}; pass a glob such as "
+            f"{base + '/*.tar'!r} or the shard URLs"
+        )
+    return found
+
+
 def detect_format(url: str, format: str | None = None) -> str:
     """The shard format: ``format`` if given, else from the extension (.tar, .parquet, .pq)."""
     if format is not None:
@@ -56,6 +86,11 @@ def detect_format(url: str, format: str | None = None) -> str:
             raise ValueError(f"format must be one of 'tar', 'parquet' or None, got {format!r}")
         return format
     name = url.rsplit("/", 1)[-1].lower()
+    if name.endswith(_COMPRESSED):
+        raise ValueError(
+            f"compressed tar is not supported: {url!r}; decompress it (e.g. gunzip) and read the "
+            ".tar: nnh seeks to samples by byte offset, which a compressed stream cannot do"
+        )
     for extension, found in _EXTENSIONS.items():
         if name.endswith(extension):
             return found

@@ -25,6 +25,7 @@ from nnh_data.shard_index import (
     ShardIndex,
     ShardInfo,
     default_index_path,
+    file_version,
     load_entries,
     save_entries,
     temporary_path,
@@ -164,7 +165,8 @@ class _ShardFile:
         self.file.close()
         self.fs.mv(self.temporary, self.path)
         size = self.size + len(_END)
-        return ShardInfo.from_offsets(self.url, "tar", self.offsets, size)
+        version = file_version(self.fs.info(self.path))  # as the index's listing will see it
+        return ShardInfo.from_offsets(self.url, "tar", self.offsets, size, version)
 
 
 def directory_samples(url: str, storage_options: dict[str, Any] | None = None) -> Iterator[dict]:

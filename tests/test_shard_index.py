@@ -47,7 +47,7 @@ def test_unusable_sidecar_is_rebuilt_with_a_warning(tar_shards, tmp_path, text):
     with pytest.warns(UserWarning, match="ignoring"):
         index = build_shard_index(paths)
     assert index.total_samples == 2
-    assert json.loads((tmp_path / "nnh-index.json").read_text())["version"] == 2
+    assert json.loads((tmp_path / "nnh-index.json").read_text())["version"] == 3
 
 
 def test_missing_shard_is_named(tar_shards, tmp_path):

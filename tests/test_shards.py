@@ -82,7 +82,7 @@ def test_parquet_rows_as_samples(parquet_shards):
     assert [info.num_samples for info in index.shards] == [5, 0, 7]
     samples = read_all(index)
     assert [s["id"] for s in samples] == list(range(12))
-    assert samples[6] == {"__key__": "1", "id": 6, "text": "row 6"}
+    assert samples[6] == {"__key__": "part-000002/1", "id": 6, "text": "row 6"}
     info = index.shards[2]
     payload = fetch_shard_range(info, 2, 5)
     assert [s["id"] for s in decode_shard_range(info, payload, 2, 5)] == [7, 8, 9]
@@ -97,7 +97,7 @@ def test_parquet_ranges_across_row_groups_and_read_batches(tmp_path, start, stop
     payload = fetch_shard_range(info, start, stop)
     assert payload["id"].tolist() == list(range(start, stop))
     assert [s["__key__"] for s in decode_shard_range(info, payload, start, stop)] == [
-        str(i) for i in range(start, stop)
+        f"big/{i}" for i in range(start, stop)
     ]
 
 

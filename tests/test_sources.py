@@ -29,7 +29,10 @@ def test_formats():
     assert detect_format("x.pq") == detect_format("x.parquet") == "parquet"
     assert detect_format("x.bin", "tar") == "tar"
     with pytest.raises(ValueError, match="pass format="):
-        detect_format("x.tar.gz")
+        detect_format("x.zip")
+    for name in ("x.tar.gz", "x.TGZ", "s3://b/x.tar.zst"):
+        with pytest.raises(ValueError, match="compressed tar is not supported"):
+            detect_format(name)
     with pytest.raises(ValueError, match="format must be one of"):
         detect_format("x.tar", "zip")
 
