@@ -39,6 +39,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _DOMAIN_PLAIN = 1
 _DOMAIN_RANK_AWARE = 2
 MAX_SAMPLE_ID = (1 << 63) - 1  # ids travel as int64 (torch collation); 2**63 ids is plenty
+ALGORITHM_VERSION = 1  # of the numbers above; bumped by any change of output (stored tables)
 
 
 def mix64(z: np.ndarray) -> np.ndarray:
