@@ -10,6 +10,14 @@ from nnh_data.augment import (
     list_presets,
     stream_distributed_augmentation_chain,
 )
+from nnh_data.gather import gather_for_metrics
+from nnh_data.loaders import (
+    RankCache,
+    RankCachedSampler,
+    create_distributed_loader,
+    create_rank_cached_dataloader,
+    rank_share,
+)
 from nnh_data.ranges import DistributedRangeSplitter
 from nnh_data.seeding import RankAwareSeedGenerator
 from nnh_data.shards import (
@@ -32,13 +40,18 @@ __all__ = [
     "AugmentationConfig",
     "DistributedRangeSplitter",
     "RankAwareSeedGenerator",
+    "RankCache",
+    "RankCachedSampler",
     "ShardError",
     "ShardIndex",
     "ShardInfo",
     "ShardedStreamingDataset",
     "apply_augmentation",
     "build_shard_index",
+    "create_distributed_loader",
+    "create_rank_cached_dataloader",
     "expand_sources",
+    "gather_for_metrics",
     "gen_augmentation_params",
     "gen_augmentation_params_batch",
     "gen_distributed_augmentation_params",
@@ -46,6 +59,7 @@ __all__ = [
     "iter_shard_samples",
     "list_presets",
     "merge_states",
+    "rank_share",
     "state_from_loader",
     "stream_distributed_augmentation_chain",
     "write_shards",

@@ -10,6 +10,9 @@ from nnh_train.dd_helpers import (
     aggregate_metrics,
     broadcast_data,
     broadcast_if_ddp,
+    create_distributed_loader,
+    create_rank_cached_dataloader,
+    gather_for_metrics,
     gather_to_rank0,
 )
 from nnh_train.ddp_decorators import (
@@ -32,8 +35,11 @@ __all__ = [
     "aggregate_metrics",
     "broadcast_data",
     "broadcast_if_ddp",
+    "create_distributed_loader",
+    "create_rank_cached_dataloader",
     "expand_slurm_nodelist",
     "expand_tasks_per_node",
+    "gather_for_metrics",
     "gather_to_rank0",
     "get_dist_info",
     "initialize_ddp",

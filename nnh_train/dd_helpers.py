@@ -17,15 +17,26 @@ import torch
 import torch.distributed as dist
 
 from nnh_data.checks import check_int
+from nnh_data.gather import gather_for_metrics
+from nnh_data.loaders import create_distributed_loader, create_rank_cached_dataloader
 from nnh_train._outcome import Outcome, pack_value
 
 __all__ = [
+    "_create_distributed_loader",
+    "_create_rank_cached_dataloader",
     "aggregate_loss",
     "aggregate_metrics",
     "broadcast_data",
     "broadcast_if_ddp",
+    "create_distributed_loader",
+    "create_rank_cached_dataloader",
+    "gather_for_metrics",
     "gather_to_rank0",
 ]
+
+# The loaders live in nnh_data (which never imports nnh_train); these are their original names.
+_create_distributed_loader = create_distributed_loader
+_create_rank_cached_dataloader = create_rank_cached_dataloader
 
 
 def aggregate_metrics(
