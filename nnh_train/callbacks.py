@@ -1,0 +1,211 @@
+"""Hooks into :class:`~nnh_train.NNHandler`'s loop, and the four callbacks most runs need.
+
+Design. A callback is an object with up to five methods, each given the handler:
+``on_train_begin``, ``on_epoch_begin``, ``on_batch_end`` (after each optimizer step),
+``on_epoch_end`` and ``on_train_end``. Every rank calls every hook, so a hook may enter a
+collective (``handler.save`` does). Decisions read only the handler's history and
+``epoch_logs``, which are identical on every rank by construction (computed from the same gathered
+numbers in the same order), so ranks agree on when to save or stop without exchanging anything, and
+the callbacks keep no state of their own: a resumed run decides as the uninterrupted one would.
+Writers (CSV, TensorBoard) write on rank 0 only and never enter a collective there.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+from nnh_data.checks import check_choice, check_int
+
+if TYPE_CHECKING:
+    from nnh_train.handler import NNHandler
+
+__all__ = ["Callback", "CSVLogger", "EarlyStopping", "ModelCheckpoint", "TensorBoardLogger"]
+
+_MODES = ("min", "max")
+
+
+class Callback:
+    """Base class: override the hooks you need; each receives the handler."""
+
+    def on_train_begin(self, handler: NNHandler) -> None:
+        """Before the first step of :meth:`NNHandler.train` (after a resume is loaded)."""
+
+    def on_epoch_begin(self, handler: NNHandler) -> None:
+        """Before the first batch of each epoch; ``handler.epoch`` is the epoch's index."""
+
+    def on_batch_end(self, handler: NNHandler) -> None:
+        """After each optimizer step; ``handler.step`` counts them, ``handler.step_loss`` is the
+        step's loss averaged over ranks."""
+
+    def on_epoch_end(self, handler: NNHandler) -> None:
+        """After an epoch and its validation; ``handler.epoch`` counts the epochs done and
+        ``handler.epoch_logs`` holds the epoch's figures."""
+
+    def on_train_end(self, handler: NNHandler) -> None:
+        """When :meth:`NNHandler.train` returns normally."""
+
+
+def _improved(value: float, best: float, mode: str, min_delta: float = 0.0) -> bool:
+    return value < best - min_delta if mode == "min" else value > best + min_delta
+
+
+class ModelCheckpoint(Callback):
+    """Save ``best.pt`` when ``monitor`` improves and ``last.pt`` every epoch, in folder ``path``.
+
+    With ``every_n_steps`` ``last.pt`` is also written every that many optimizer steps, so a run
+    killed without warning (SIGKILL, node failure) resumes mid-epoch. The best value is read from
+    the handler's history, so it survives a resume. Every rank calls ``handler.save`` (rank 0
+    writes), and the saving decisions are the same on every rank.
+
+    Example:
+        >>> handler.add_callback(ModelCheckpoint("runs/exp1", monitor="val_loss"))
+        >>> handler.train(10, resume="runs/exp1/last.pt" if os.path.exists(...) else None)
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, monitor: str = "val_loss", mode: str = "min",
+        save_last: bool = True, every_n_steps: int | None = None,
+    ) -> None:  # fmt: skip
+        self.path = os.fspath(path)
+        self.monitor = monitor
+        self.mode = check_choice("mode", mode, _MODES)
+        self.save_last = bool(save_last)
+        self.every_n_steps = (
+            None if every_n_steps is None else check_int("every_n_steps", every_n_steps, low=1)
+        )
+
+    @property
+    def best_path(self) -> str:
+        return os.path.join(self.path, "best.pt")
+
+    @property
+    def last_path(self) -> str:
+        return os.path.join(self.path, "last.pt")
+
+    def on_train_begin(self, handler: NNHandler) -> None:
+        handler.history(self.monitor)  # an unknown name fails here, before any training
+
+    def on_batch_end(self, handler: NNHandler) -> None:
+        if self.every_n_steps and handler.step % self.every_n_steps == 0:
+            handler.save(self.last_path)
+
+    def on_epoch_end(self, handler: NNHandler) -> None:
+        value = handler.epoch_logs.get(self.monitor)
+        earlier = handler.history(self.monitor)[:-1]
+        if (
+            value is not None
+            and not math.isnan(value)
+            and all(_improved(value, old, self.mode) for old in earlier if not math.isnan(old))
+        ):
+            handler.save(self.best_path)
+        if self.save_last:
+            handler.save(self.last_path)
+
+
+class EarlyStopping(Callback):
+    """Stop training when ``monitor`` has not improved by ``min_delta`` in its last ``patience``
+    values (validations, for ``val_*`` names).
+
+    The decision reads the history, which is identical on every rank, so every rank stops after
+    the same epoch.
+
+    Example:
+        >>> handler.add_callback(EarlyStopping("val_loss", patience=3))
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        patience: int = 3,
+        mode: str = "min",
+        min_delta: float = 0.0,
+    ) -> None:
+        self.monitor = monitor
+        self.patience = check_int("patience", patience, low=1)
+        self.mode = check_choice("mode", mode, _MODES)
+        if not min_delta >= 0:
+            raise ValueError(f"min_delta must be a number >= 0, got {min_delta!r}")
+        self.min_delta = float(min_delta)
+
+    def on_train_begin(self, handler: NNHandler) -> None:
+        handler.history(self.monitor)
+
+    def on_epoch_end(self, handler: NNHandler) -> None:
+        if handler.epoch_logs.get(self.monitor) is None:
+            return
+        values = [v for v in handler.history(self.monitor) if not math.isnan(v)]
+        best_at = 0
+        for i, value in enumerate(values):
+            if _improved(value, values[best_at], self.mode, self.min_delta):
+                best_at = i
+        if len(values) - 1 - best_at >= self.patience:
+            handler.should_stop = True
+
+
+class CSVLogger(Callback):
+    """Append one row per epoch of ``handler.epoch_logs`` to the CSV file ``path`` (rank 0).
+
+    A resumed run appends to the same file; the header is written when the file is new.
+
+    Example:
+        >>> handler.add_callback(CSVLogger("runs/exp1/history.csv"))
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+
+    def on_epoch_end(self, handler: NNHandler) -> None:
+        if handler.rank != 0:
+            return
+        logs = handler.epoch_logs
+        new = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path, "a", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(logs))
+            if new:
+                writer.writeheader()
+            writer.writerow({k: "" if v is None else v for k, v in logs.items()})
+
+
+class TensorBoardLogger(Callback):
+    """Write the step loss and each epoch's figures as TensorBoard scalars under ``log_dir``
+    (rank 0). Needs the ``tensorboard`` package: ``pip install 'nnh[tensorboard]'``.
+
+    Example:
+        >>> handler.add_callback(TensorBoardLogger("runs/exp1/tb"))
+    """
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ImportError(
+                "TensorBoardLogger needs the tensorboard package: pip install 'nnh[tensorboard]'"
+            ) from exc
+        self.log_dir = os.fspath(log_dir)
+        self._writer_class = SummaryWriter
+        self._writer: Any = None
+
+    def on_train_begin(self, handler: NNHandler) -> None:
+        if handler.rank == 0:
+            self._writer = self._writer_class(self.log_dir)
+
+    def on_batch_end(self, handler: NNHandler) -> None:
+        if self._writer is not None:
+            self._writer.add_scalar("step/loss", handler.step_loss, handler.step)
+
+    def on_epoch_end(self, handler: NNHandler) -> None:
+        if self._writer is None:
+            return
+        for name, value in handler.epoch_logs.items():
+            if value is not None and name != "epoch":
+                self._writer.add_scalar(f"epoch/{name}", value, handler.epoch)
+        self._writer.flush()
+
+    def on_train_end(self, handler: NNHandler) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,1007 @@
+"""``NNHandler``: a small DDP training loop that keeps ranks in step and resumes exactly.
+
+Design. Each optimizer step ends with one collective: an ``all_gather`` of a short row per rank
+(the step's loss, its sample count without pads, each metric, and a "signal received" flag).
+From the same gathered rows every rank decides the same things the same way: a non-finite loss on
+any rank stops every rank before the optimizer step, with an error naming the ranks, the step and
+the values; a SIGUSR1/SIGTERM on any rank (the signal handler only sets a flag) makes every rank
+save the same checkpoint at the same step and exit with :data:`PREEMPTED_EXIT_CODE`; and the
+history is summed in rank order from those rows, so it is identical on every rank, and so are the
+callbacks' decisions that read it. The cost is one small collective per step, which a loop that
+logs its loss already pays in a device sync (measured in ``tools/bench/trainer.py``).
+
+Resume. A checkpoint holds the unwrapped model, optimizer, scheduler, scaler, the position (epoch,
+batches done in it, optimizer steps), the epoch's partial sums, the history, and per rank the
+random generator states (at the step and at the epoch's start, when the loader drew its order) and
+the loader's state: ``StatefulDataLoader.state_dict()`` for streaming datasets, else the epoch
+and batch count, resumed by replaying the sampler's indices without reading the skipped samples.
+With the same world size the rest of the run is bitwise the same on CPU.
+
+Batches. ``(inputs, target, ...)`` sequences call ``model(inputs)`` and ``loss_fn(output,
+target)``; dicts (streaming samples) and single tensors are passed whole to both. Samples flagged
+as pads (``__pad__``, the repeats of ``DistributedSampler`` and of the rank-cached loader) are
+left out of the counts, and out of the forward pass in evaluation, so an epoch's figures equal
+those of one process on the same data.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from itertools import islice, zip_longest
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from matplotlib.figure import Figure
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from tqdm.auto import tqdm
+
+from nnh_data.checks import check_choice, check_int
+from nnh_data.gather import gather_for_metrics
+from nnh_data.loaders import RankCache, create_distributed_loader, create_rank_cached_dataloader
+from nnh_data.streaming import ShardedStreamingDataset, state_from_loader
+from nnh_train.callbacks import Callback, ModelCheckpoint
+from nnh_train.checkpoint import (
+    load_checkpoint,
+    load_model_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from nnh_train.dd_helpers import gather_to_rank0
+from nnh_train.ddp_decorators import on_rank
+from nnh_train.ddp_init import get_dist_info, initialize_ddp
+
+__all__ = ["PRECISIONS", "PREEMPTED_EXIT_CODE", "NNHandler"]
+
+PREEMPTED_EXIT_CODE = 75
+"""Exit status after a preemption save: ``EX_TEMPFAIL`` of sysexits.h, "try again later"."""
+PRECISIONS = ("fp32", "bf16", "fp16")
+CHECKPOINT_VERSION = 1
+_INTERVALS = ("epoch", "step")
+_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class _Run:
+    """The options of one ``train`` call, checked once."""
+
+    epochs: int
+    validate_every: int
+    precision: str
+    accumulation: int
+    max_steps: int | None
+    requeue: bool
+    preempt_path: str | None
+
+    def __post_init__(self) -> None:
+        check_int("epochs", self.epochs, low=0)
+        check_int("validate_every", self.validate_every, low=1)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_int("gradient_accumulation_steps", self.accumulation, low=1)
+        if self.max_steps is not None:
+            check_int("max_steps", self.max_steps, low=0)
+
+
+class NNHandler:
+    """Train, validate, checkpoint and run inference with one model, alone or under DDP.
+
+    Args:
+        model_class_or_instance: an ``nn.Module``, or a class built with ``**model_kwargs``.
+        device: ``'cpu'``, ``'cuda'``, ``'cuda:N'`` or a ``torch.device``; default this local
+            rank's GPU when CUDA is there, else the CPU.
+        use_distributed: True requires DDP, False never starts it, None (default) when launched
+            with several processes (``torchrun``, ``srun``); see :func:`~nnh_train.initialize_ddp`.
+
+    Attributes:
+        model: the module as trained (wrapped in ``DistributedDataParallel`` under DDP).
+        module: the unwrapped module (what checkpoints hold).
+        rank, world_size, device: this process's place (``_rank`` is ``rank``).
+        train_losses, val_losses: per epoch (validation: per validation run).
+        train_metrics, val_metrics: ``{name: [value per epoch / validation]}``.
+        epoch, step: epochs completed (the index of the running one) and optimizer steps done.
+        epoch_logs: the last epoch's figures (None for those not computed that epoch).
+        log_fn: where rank 0's log lines go (default ``print``).
+
+    ``DDP_FIND_UNUSED_PARAMETERS=1`` turns on DDP's ``find_unused_parameters``.
+
+    Example:
+        >>> handler = NNHandler(nn.Linear, in_features=4, out_features=1)
+        >>> handler.set_optimizer(torch.optim.SGD, lr=0.1)
+        >>> handler.set_loss_fn(nn.functional.mse_loss)
+        >>> handler.set_train_loader(TensorDataset(x, y), batch_size=32)
+        >>> handler.train(5)
+    """
+
+    def __init__(
+        self,
+        model_class_or_instance: nn.Module | Callable[..., nn.Module],
+        device: torch.device | str | None = None,
+        use_distributed: bool | None = None,
+        **model_kwargs: Any,
+    ) -> None:
+        info = initialize_ddp(use_distributed=use_distributed, device=device) or get_dist_info()
+        self.distributed, self.rank, self.local_rank, self.world_size, self.device = info
+        self.module = _build_model(model_class_or_instance, model_kwargs).to(self.device)
+        self.model = self._wrapped(self.module)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.scheduler_interval = "epoch"
+        self.loss_fn: Callable[..., torch.Tensor] | None = None
+        self.metrics: dict[str, Callable[..., Any]] = {}
+        self.callbacks: list[Callback] = []
+        self.train_loader: DataLoader | None = None
+        self.val_loader: DataLoader | None = None
+        self.train_losses: list[float] = []
+        self.val_losses: list[float] = []
+        self.train_metrics: dict[str, list[float]] = {}
+        self.val_metrics: dict[str, list[float]] = {}
+        self.val_epochs: list[int] = []
+        self.epoch = self.step = 0
+        self.step_loss = math.nan
+        self.epoch_logs: dict[str, Any] = {}
+        self.should_stop = False
+        self.log_fn: Callable[[str], Any] = print
+        self._batches_done = 0
+        self._sums: list[float] = []  # the running epoch: loss x count, count, metric x count
+        self._timing = (math.nan, math.nan)  # the last epoch's seconds and seconds waiting
+        self._epoch_rng: dict[str, Any] | None = None
+        self._resume: dict[str, Any] | None = None  # this rank's rng and loader state to apply
+        self._pending: dict[str, Any] = {}  # optimizer/scheduler/scaler states awaiting objects
+        self._scaler: torch.amp.GradScaler | None = None
+        self._autocast: Callable[[], Any] = nullcontext
+        self._forward: Callable[..., Any] = self.model
+        self._compiled: Callable[..., Any] | None = None
+        self._signal: int | None = None
+
+    @property
+    def _rank(self) -> int:
+        return self.rank
+
+    def _wrapped(self, module: nn.Module) -> nn.Module:
+        if not self.distributed:
+            return module
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        unused = _env_flag("DDP_FIND_UNUSED_PARAMETERS")
+        return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=unused)
+
+    # ------------------------------------------------------------------ configuration
+
+    def set_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> None:
+        """Build the optimizer over the model's parameters (a loaded checkpoint's state applies).
+
+        Example:
+            >>> handler.set_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+        """
+        self.optimizer = optimizer_class(self.module.parameters(), **kwargs)
+        self._apply_pending("optimizer", self.optimizer)
+
+    def set_scheduler(self, scheduler_class: type, interval: str = "epoch", **kwargs: Any) -> None:
+        """Build a learning-rate scheduler on the optimizer, stepped every ``interval``:
+        ``"epoch"`` (after validation; ``ReduceLROnPlateau`` gets the validation loss, else the
+        training loss) or ``"step"`` (after each optimizer step).
+
+        Example:
+            >>> handler.set_scheduler(torch.optim.lr_scheduler.OneCycleLR, interval="step",
+            ...                       max_lr=0.1, total_steps=epochs * len(handler.train_loader))
+        """
+        if self.optimizer is None:
+            raise ValueError("set_scheduler needs an optimizer: call set_optimizer first")
+        self.scheduler_interval = check_choice("interval", interval, _INTERVALS)
+        self.scheduler = scheduler_class(self.optimizer, **kwargs)
+        self._apply_pending("scheduler", self.scheduler)
+
+    def set_loss_fn(self, fn: Callable[..., torch.Tensor]) -> None:
+        """``fn(output, target) -> scalar tensor``, the mean over the batch."""
+        if not callable(fn):
+            raise ValueError(f"loss_fn must be callable, got {fn!r}")
+        self.loss_fn = fn
+
+    def add_metric(self, name: str, fn: Callable[..., Any]) -> None:
+        """Track ``fn(output, target)`` (a number, the batch mean) in training and validation,
+        as ``train_<name>`` and ``val_<name>``, averaged over samples like the loss."""
+        if not isinstance(name, str) or not name.isidentifier() or name == "loss":
+            raise ValueError(f"metric name must be an identifier other than 'loss', got {name!r}")
+        if name in self.metrics or not callable(fn):
+            raise ValueError(f"metric {name!r} is already added or fn {fn!r} is not callable")
+        self.metrics[name] = fn
+        self.train_metrics[name], self.val_metrics[name] = [], []
+
+    def add_callback(self, callback: Callback) -> None:
+        """Call ``callback``'s hooks during :meth:`train` (see :mod:`nnh_train.callbacks`)."""
+        self.callbacks.append(callback)
+
+    def set_train_loader(
+        self, dataset: Dataset | DataLoader, batch_size: int | None = None, cache: bool = False,
+        **loader_kwargs: Any,
+    ) -> None:  # fmt: skip
+        """Train on ``dataset`` with ``batch_size`` samples per process and step.
+
+        A map-style dataset gets :func:`~nnh_data.loaders.create_distributed_loader` (or the
+        rank-cached loader with ``cache=True``); a ``ShardedStreamingDataset`` a
+        ``StatefulDataLoader``, whose position checkpoints hold; a ``DataLoader`` is used as is.
+        ``loader_kwargs`` go to the loader.
+        """
+        self.train_loader = self._loader(dataset, batch_size, cache, loader_kwargs, is_eval=False)
+
+    def set_val_loader(
+        self, dataset: Dataset | DataLoader, batch_size: int | None = None, cache: bool = False,
+        **loader_kwargs: Any,
+    ) -> None:  # fmt: skip
+        """Validate on ``dataset`` (as :meth:`set_train_loader`, in evaluation order)."""
+        self.val_loader = self._loader(dataset, batch_size, cache, loader_kwargs, is_eval=True)
+
+    def _loader(
+        self, data: Any, batch_size: int | None, cache: bool, kwargs: dict, is_eval: bool
+    ) -> DataLoader:
+        if isinstance(data, DataLoader):
+            if batch_size is not None or kwargs or cache:
+                raise ValueError("a DataLoader is used as it is: pass no batch_size, cache or "
+                                 "loader arguments with it")  # fmt: skip
+            return data
+        batch_size = check_int("batch_size", batch_size, low=1)
+        if isinstance(data, ShardedStreamingDataset) and not cache:
+            return StatefulDataLoader(data, batch_size=batch_size, **kwargs)
+        if isinstance(data, IterableDataset) and not cache:
+            raise ValueError(
+                "dataset must be map-style, a ShardedStreamingDataset or a DataLoader, got "
+                f"the IterableDataset {type(data).__name__}"
+            )
+        make = create_rank_cached_dataloader if cache else create_distributed_loader
+        loader, _ = make(data, {"batch_size": batch_size, **kwargs}, self.device,
+                         log_fn=self._log, is_eval=is_eval)  # fmt: skip
+        return loader
+
+    # ------------------------------------------------------------------ training
+
+    def train(
+        self,
+        epochs: int,
+        validate_every: int = 1,
+        precision: str = "fp32",
+        gradient_accumulation_steps: int = 1,
+        max_steps: int | None = None,
+        resume: str | os.PathLike | None = None,
+        compile: bool = False,
+        requeue: bool = False,
+        preempt_path: str | os.PathLike | None = None,
+    ) -> None:
+        """Train until ``epochs`` epochs are done in total (a resumed run continues its count).
+
+        Args:
+            epochs: the total number of epochs.
+            validate_every: validate after every that many epochs (with a val loader).
+            precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a
+                GradScaler; its skip decision reads gradients that DDP made equal on every rank).
+            gradient_accumulation_steps: batches per optimizer step, gradients synchronised on
+                the last one only (``no_sync``); an epoch's last group may be shorter, and each
+                group equals one batch of its samples.
+            max_steps: stop after this many optimizer steps in total (mid-epoch is fine:
+                ``save`` then resumes there).
+            resume: a checkpoint to continue from exactly (see :meth:`load_state`).
+            compile: run the model through ``torch.compile`` (checkpoints are unchanged).
+            requeue: after a preemption save under Slurm, rank 0 runs
+                ``scontrol requeue $SLURM_JOB_ID``.
+            preempt_path: where SIGUSR1/SIGTERM saves before exiting with
+                :data:`PREEMPTED_EXIT_CODE`; default the ``last.pt`` of the first
+                :class:`~nnh_train.callbacks.ModelCheckpoint`; with neither, signals keep their
+                usual effect.
+
+        Raises:
+            FloatingPointError: on every rank, when a loss is NaN or infinite on any rank; no
+                rank has taken that optimizer step.
+            SystemExit: with :data:`PREEMPTED_EXIT_CODE` after a preemption save.
+        """
+        run = _Run(epochs, validate_every, precision, gradient_accumulation_steps, max_steps,
+                   bool(requeue), self._preempt_path(preempt_path))  # fmt: skip
+        self._check_ready()
+        self._prepare(run, compile)
+        if resume is not None:
+            self.load_state(resume)
+        self.should_stop = False
+        with self._signals(run.preempt_path):
+            self._call("on_train_begin")
+            while self.epoch < run.epochs and not self.should_stop and self._train_epoch(run):
+                self._end_epoch(run)
+            self._call("on_train_end")
+
+    def _check_ready(self) -> None:
+        needed = {"set_optimizer": self.optimizer, "set_loss_fn": self.loss_fn,
+                  "set_train_loader": self.train_loader}  # fmt: skip
+        missing = [name for name, value in needed.items() if value is None]
+        if missing:
+            raise ValueError(f"train needs {', '.join(missing)} to be called first")
+
+    def _prepare(self, run: _Run, compile: bool) -> None:
+        dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[run.precision]
+        device_type = self.device.type
+        self._autocast = (
+            nullcontext if dtype is None
+            else functools.partial(torch.autocast, device_type, dtype=dtype)
+        )  # fmt: skip
+        if run.precision != "fp16":
+            self._scaler = None
+        elif self._scaler is None:
+            self._scaler = torch.amp.GradScaler(device_type)
+            self._apply_pending("scaler", self._scaler)
+        if compile and self._compiled is None:
+            self._compiled = torch.compile(self.model)
+        self._forward = self._compiled if compile else self.model
+
+    def _train_epoch(self, run: _Run) -> bool:
+        """Run (the rest of) the current epoch; False when ``max_steps`` or a stop ended it."""
+        if run.max_steps is not None and self.step >= run.max_steps:
+            return False
+        self.module.train()
+        self._call("on_epoch_begin")
+        loader = self.train_loader
+        clock = _Clock(time.perf_counter())
+        total = _length(loader)
+        bar = tqdm(total=total, initial=self._batches_done, disable=self.rank != 0, leave=False,
+                   desc=f"epoch {self.epoch + 1}/{run.epochs}", dynamic_ncols=True)  # fmt: skip
+        with bar:
+            for group in _groups(self._epoch_batches(loader), run.accumulation, clock):
+                self._train_step(group, run)
+                bar.update(len(group))
+                bar.set_postfix(loss=f"{self.step_loss:.4g}", refresh=False)
+                if run.max_steps is not None and self.step >= run.max_steps:
+                    return False
+        self._timing = clock.finish()
+        return True
+
+    def _epoch_batches(self, loader: DataLoader) -> Iterator[tuple[Any, int, torch.Tensor | None]]:
+        """This epoch's batches from where the run stands, as (batch, size, pad mask)."""
+        _set_epoch(loader, self.epoch)
+        resume, self._resume = self._resume, None
+        mid_epoch = resume is not None and self._batches_done > 0
+        if resume is not None:
+            set_rng_state(resume["epoch_rng"] if mid_epoch else resume["rng"])
+        self._epoch_rng = rng_state()
+        if mid_epoch:
+            batches = _resumed(loader, resume, self._batches_done)
+            set_rng_state(resume["rng"])
+        else:
+            batches = iter(loader)
+        seen = self._batches_done * (loader.batch_size or 1)
+        return _counted(batches, _pad_flags(loader), seen)
+
+    def _train_step(self, group: list[tuple[Any, int, torch.Tensor | None]], run: _Run) -> None:
+        rows = self._gather(self._forward_backward(group))
+        self._check_finite(rows)
+        self._optimizer_step()
+        self._account(rows, len(group))
+        self._call("on_batch_end")
+        if any(row[-1] for row in rows):
+            self._preempt(run, [r for r, row in enumerate(rows) if row[-1]])
+
+    def _forward_backward(self, group: list[tuple[Any, int, torch.Tensor | None]]) -> torch.Tensor:
+        """Forward and backward over the group's batches, each weighted by its share of the
+        group's samples; this rank's row: mean loss, real samples, metrics, signal flag."""
+        total = sum(size for _, size, _ in group)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        metric_sums = torch.zeros(len(self.metrics), dtype=torch.float64, device=self.device)
+        real = 0
+        for i, (batch, size, pads) in enumerate(group):
+            inputs, target = _split(_to_device(batch, self.device))
+            sync = i == len(group) - 1 or not self.distributed
+            with nullcontext() if sync else self.model.no_sync():
+                with self._autocast():
+                    output = self._forward(inputs)
+                    loss = self.loss_fn(output, target)
+                self._backward(loss * (size / total))
+            loss_sum += loss.detach().double() * size
+            metric_sums += self._metric_values(output, target) * size
+            real += size - (0 if pads is None else int(pads.sum()))
+        count = torch.tensor([real], dtype=torch.float64, device=self.device)
+        flag = torch.tensor([self._signal is not None], dtype=torch.float64, device=self.device)
+        return torch.cat([(loss_sum / total)[None], count, metric_sums / total, flag])
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (loss if self._scaler is None else self._scaler.scale(loss)).backward()
+
+    def _metric_values(self, output: Any, target: Any) -> torch.Tensor:
+        """Each metric of the batch as float64 on the device (no sync for tensor results)."""
+        with torch.no_grad():
+            values = [fn(_detached(output), target) for fn in self.metrics.values()]
+        as_tensors = [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(())
+                      for v in values]  # fmt: skip
+        return torch.stack(as_tensors) if as_tensors else torch.zeros(0, device=self.device)
+
+    def _gather(self, row: torch.Tensor) -> list[list[float]]:
+        """Every rank's ``row``, in rank order, on every rank: the step's one collective."""
+        if not self.distributed:
+            return [row.tolist()]
+        rows = [torch.empty_like(row) for _ in range(self.world_size)]
+        dist.all_gather(rows, row)
+        return torch.stack(rows).tolist()
+
+    def _check_finite(self, rows: list[list[float]]) -> None:
+        bad = {rank: row[0] for rank, row in enumerate(rows) if not math.isfinite(row[0])}
+        if bad:
+            self.optimizer.zero_grad(set_to_none=True)
+            values = ", ".join(f"rank {rank}: {value}" for rank, value in bad.items())
+            raise FloatingPointError(
+                f"non-finite loss at step {self.step} (epoch {self.epoch}, batch "
+                f"{self._batches_done}) on rank(s) {sorted(bad)} ({values}); no rank took this "
+                "optimizer step"
+            )
+
+    def _optimizer_step(self) -> None:
+        if self._scaler is None:
+            self.optimizer.step()
+        else:
+            self._scaler.step(self.optimizer)
+            self._scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None and self.scheduler_interval == "step":
+            self.scheduler.step()
+
+    def _account(self, rows: list[list[float]], batches: int) -> None:
+        """Add the step's rows to the epoch's sums, in rank order (the same on every rank)."""
+        step = [0.0] * (len(rows[0]) - 1)  # loss x count, count, metric x count
+        for loss, count, *metrics, _ in rows:
+            for k, value in enumerate([loss * count, count, *(m * count for m in metrics)]):
+                step[k] += value
+        self._sums = [a + b for a, b in zip_longest(self._sums, step, fillvalue=0.0)]
+        self.step_loss = step[0] / step[1] if step[1] else math.nan
+        self.step += 1
+        self._batches_done += batches
+
+    def _end_epoch(self, run: _Run) -> None:
+        """Record the epoch, validate, step the scheduler, then call the epoch-end hooks."""
+        loss, metrics = _means(self._sums, len(self.metrics))
+        self.train_losses.append(loss)
+        for name, value in zip(self.metrics, metrics):
+            self.train_metrics[name].append(value)
+        validated = self.val_loader is not None and (self.epoch + 1) % run.validate_every == 0
+        if validated:
+            self._validate()
+        self._step_epoch_scheduler(validated)
+        self.epoch_logs = self._logs(validated)
+        self.epoch += 1
+        self._batches_done, self._sums = 0, []
+        self._log(_describe(self.epoch_logs, run.epochs))
+        self._call("on_epoch_end")
+
+    def _validate(self) -> None:
+        sums = self._evaluate(self.val_loader)
+        totals = [sum(column) for column in zip(*self._gather(sums))]
+        loss, metrics = _means(totals, len(self.metrics))
+        self.val_losses.append(loss)
+        self.val_epochs.append(self.epoch + 1)
+        for name, value in zip(self.metrics, metrics):
+            self.val_metrics[name].append(value)
+
+    def _evaluate(self, loader: DataLoader) -> torch.Tensor:
+        """This rank's [loss x count, count, metric x count...] over ``loader``, pads left out."""
+        sums = torch.zeros(2 + len(self.metrics), dtype=torch.float64, device=self.device)
+        _set_epoch(loader, self.epoch)
+        with torch.no_grad(), _eval_mode(self.module):
+            for batch, size, pads in _counted(iter(loader), _pad_flags(loader), 0):
+                count = size if pads is None else size - int(pads.sum())
+                if count == 0:
+                    continue
+                batch = batch if pads is None else _select(batch, ~pads)
+                inputs, target = _split(_to_device(batch, self.device))
+                with self._autocast():
+                    output = self.module(inputs)
+                    loss = self.loss_fn(output, target)
+                one = torch.ones((), dtype=torch.float64, device=self.device)
+                head = torch.stack([loss.double(), one])
+                sums += torch.cat([head, self._metric_values(output, target)]) * count
+        return sums
+
+    def _step_epoch_scheduler(self, validated: bool) -> None:
+        if self.scheduler is None or self.scheduler_interval != "epoch":
+            return
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            self.scheduler.step(self.val_losses[-1] if validated else self.train_losses[-1])
+        else:
+            self.scheduler.step()
+
+    def _logs(self, validated: bool) -> dict[str, Any]:
+        logs: dict[str, Any] = {"epoch": self.epoch + 1, "step": self.step,
+                                "train_loss": self.train_losses[-1]}  # fmt: skip
+        logs.update({f"train_{n}": v[-1] for n, v in self.train_metrics.items()})
+        logs["val_loss"] = self.val_losses[-1] if validated else None
+        logs.update({f"val_{n}": v[-1] if validated else None for n, v in self.val_metrics.items()})
+        seconds, waited = self._timing
+        logs["samples_per_s"] = self._sums[1] / seconds if self._sums and seconds > 0 else None
+        logs["data_wait"] = waited / seconds if seconds > 0 else None
+        return logs
+
+    def history(self, name: str) -> list[float]:
+        """The recorded values of ``name``: ``train_loss``, ``val_loss``, ``train_<metric>`` or
+        ``val_<metric>`` (one per epoch; ``val_*`` one per validation)."""
+        table = {"train_loss": self.train_losses, "val_loss": self.val_losses}
+        table.update({f"train_{n}": v for n, v in self.train_metrics.items()})
+        table.update({f"val_{n}": v for n, v in self.val_metrics.items()})
+        if name not in table:
+            raise ValueError(f"name must be one of {sorted(table)}, got {name!r}")
+        return table[name]
+
+    # ------------------------------------------------------------------ preemption
+
+    def _preempt_path(self, path: str | os.PathLike | None) -> str | None:
+        if path is not None:
+            return os.fspath(path)
+        saver = next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
+        return None if saver is None else saver.last_path
+
+    @contextmanager
+    def _signals(self, path: str | None) -> Iterator[None]:
+        """SIGUSR1 and SIGTERM only set a flag while ``path`` is where to save them."""
+        if path is None or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self._signal = None
+
+        def note(signum: int, frame: Any) -> None:
+            self._signal = signum
+
+        previous = {number: signal.signal(number, note) for number in _SIGNALS}
+        try:
+            yield
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+    def _preempt(self, run: _Run, ranks: list[int]) -> None:
+        print(f"rank {self.rank}: signal received on rank(s) {ranks}; saving "
+              f"{run.preempt_path} at step {self.step} and exiting with code "
+              f"{PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)  # fmt: skip
+        self.save(run.preempt_path)
+        if run.requeue and self.rank == 0:
+            _requeue()
+        raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write a checkpoint to ``path``: rank 0 writes atomically, every rank waits, an error
+        in the write is raised on every rank. Call it on every rank.
+
+        Example:
+            >>> handler.save("runs/exp1/last.pt")
+        """
+        shares = gather_to_rank0(self._rank_state()) if self.distributed else [self._rank_state()]
+
+        def write_checkpoint() -> None:
+            save_checkpoint(self._checkpoint(shares), path)
+
+        if self.distributed:
+            on_rank(0)(write_checkpoint)()
+        else:
+            write_checkpoint()
+
+    def _rank_state(self) -> dict[str, Any]:
+        """What differs between ranks: generator states and the loader's position."""
+        if self._resume is not None:  # loaded, not yet resumed: keep what was loaded
+            return self._resume
+        stateful = self._batches_done and isinstance(self.train_loader, StatefulDataLoader)
+        return {"rng": rng_state(), "epoch_rng": self._epoch_rng or rng_state(),
+                "loader": self.train_loader.state_dict() if stateful else None}  # fmt: skip
+
+    def _checkpoint(self, shares: list[dict[str, Any]]) -> dict[str, Any]:
+        def state_of(name: str, live: Any) -> Any:
+            return live.state_dict() if live is not None else self._pending.get(name)
+
+        return {
+            "version": CHECKPOINT_VERSION,
+            "model": self.module.state_dict(),
+            "optimizer": state_of("optimizer", self.optimizer),
+            "scheduler": state_of("scheduler", self.scheduler),
+            "scaler": state_of("scaler", self._scaler),
+            "epoch": self.epoch,
+            "step": self.step,
+            "batches_done": self._batches_done,
+            "sums": list(self._sums),
+            "history": {
+                "train_losses": self.train_losses,
+                "val_losses": self.val_losses,
+                "train_metrics": self.train_metrics,
+                "val_metrics": self.val_metrics,
+                "val_epochs": self.val_epochs,
+            },  # fmt: skip
+            "world_size": self.world_size,
+            "ranks": shares,
+        }
+
+    def load_state(self, path: str | os.PathLike) -> None:
+        """Continue from checkpoint ``path`` (every rank reads it onto its own device).
+
+        Model weights load at once (keys with ``module.``/``_orig_mod.`` prefixes are accepted);
+        optimizer, scheduler and scaler states load into those objects, now or when they are
+        set; the loader position and generator states apply when training resumes. A
+        mid-epoch checkpoint of a streaming dataset resumes with another world size too (the
+        rest of the epoch split again); a map-style one needs the same world size.
+        """
+        state = load_checkpoint(path)
+        if state.get("version") != CHECKPOINT_VERSION:
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r} has version {state.get('version')!r}; this "
+                f"nnh reads {CHECKPOINT_VERSION}"
+            )
+        load_model_state(self.module, state["model"])
+        self._pending = {k: state[k] for k in ("optimizer", "scheduler", "scaler") if state[k]}
+        for name, live in (("optimizer", self.optimizer), ("scheduler", self.scheduler),
+                           ("scaler", self._scaler)):  # fmt: skip
+            self._apply_pending(name, live)
+        self.epoch, self.step, self._batches_done = (
+            state["epoch"],
+            state["step"],
+            state["batches_done"],
+        )
+        self._sums = list(state["sums"])
+        history = state["history"]
+        self.train_losses, self.val_losses = history["train_losses"], history["val_losses"]
+        self.train_metrics, self.val_metrics = history["train_metrics"], history["val_metrics"]
+        self.val_epochs = history["val_epochs"]
+        self._resume = self._rank_resume(state, os.fspath(path))
+
+    def _rank_resume(self, state: dict[str, Any], path: str) -> dict[str, Any]:
+        shares = state["ranks"]
+        if state["world_size"] == self.world_size:
+            return shares[self.rank]
+        if self._batches_done and shares[0]["loader"] is None:
+            raise ValueError(
+                f"checkpoint {path!r} was saved mid-epoch with world_size={state['world_size']} "
+                f"and a map-style loader; it resumes only with that world size, not "
+                f"{self.world_size} (a checkpoint from an epoch's end resumes with any)"
+            )
+        warnings.warn(f"checkpoint {path!r} has world_size={state['world_size']}, not "
+                      f"{self.world_size}: random generator states are not restored",
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
+        merged = None if shares[0]["loader"] is None else state_from_loader(shares[0]["loader"])
+        return {"rng": rng_state(), "epoch_rng": rng_state(), "loader": None, "dataset": merged}
+
+    def _apply_pending(self, name: str, live: Any) -> None:
+        if live is not None and name in self._pending:
+            live.load_state_dict(self._pending.pop(name))
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        model_class_or_instance: nn.Module | Callable[..., nn.Module],
+        device: torch.device | str | None = None,
+        use_distributed: bool | None = None,
+        **model_kwargs: Any,
+    ) -> NNHandler:
+        """A handler for ``model_class_or_instance`` with the state of checkpoint ``path``.
+
+        Example:
+            >>> handler = NNHandler.load("runs/exp1/best.pt", Net, hidden=64)
+        """
+        handler = cls(model_class_or_instance, device, use_distributed, **model_kwargs)
+        handler.load_state(path)
+        return handler
+
+    # ------------------------------------------------------------------ inference and plots
+
+    def predict(self, dataset_or_loader: Dataset | DataLoader, batch_size: int = 64) -> Any:
+        """The model's outputs (tensors) for every sample, in dataset order, on rank 0.
+
+        Every rank runs its share (pads dropped); the rows are gathered with
+        :func:`~nnh_data.gather.gather_for_metrics`. Call it on every rank; ranks other than 0
+        get ``None``.
+
+        Example:
+            >>> outputs = handler.predict(test_set)  # (len(test_set), ...) on rank 0
+        """
+        given = isinstance(dataset_or_loader, DataLoader)
+        loader = self._loader(dataset_or_loader, None if given else batch_size, False, {}, True)
+        order, start = _epoch_ids(loader), 0
+        outputs, ids = [], []
+        with torch.no_grad(), _eval_mode(self.module):
+            for batch, size, pads in _counted(iter(loader), _pad_flags(loader), 0):
+                keep = torch.ones(size, dtype=torch.bool) if pads is None else ~pads
+                ids.append(_batch_ids(batch, order, start, size)[keep])
+                start += size
+                inputs, _ = _split(_to_device(_select(batch, keep), self.device))
+                with self._autocast():
+                    outputs.append(self.module(inputs).float())
+        values, _ = gather_for_metrics(torch.cat(outputs), torch.cat(ids))
+        return values if self.rank == 0 else None
+
+    def sample(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(module, *args, **kwargs)`` on rank 0 (eval mode, no gradients), its result on
+        every rank; an error there is raised on every rank.
+
+        Example:
+            >>> images = handler.sample(lambda m, n: m.generate(n), 16)
+        """
+        return self._on_rank0(fn, args, kwargs)
+
+    def log_likelihood(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(module, *args, **kwargs)`` on rank 0, as :meth:`sample`.
+
+        Example:
+            >>> nll = handler.log_likelihood(lambda m, x: m.log_prob(x).mean(), batch)
+        """
+        return self._on_rank0(fn, args, kwargs)
+
+    def _on_rank0(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        @functools.wraps(fn)
+        def run() -> Any:
+            with torch.no_grad(), _eval_mode(self.module):
+                return fn(self.module, *args, **kwargs)
+
+        return on_rank(0)(run)() if self.distributed else run()
+
+    def plot_losses(self, path: str | os.PathLike) -> None:
+        """Training and validation loss per epoch, as a PNG at ``path`` (rank 0 writes)."""
+        if self.rank == 0:
+            figure = Figure(figsize=(6, 4))
+            _plot(figure.subplots(), "loss", self.train_losses, self.val_losses, self.val_epochs)
+            figure.savefig(path)
+
+    def plot_metrics(self, path: str | os.PathLike) -> None:
+        """One panel per metric, training and validation per epoch, as a PNG (rank 0 writes)."""
+        if self.rank != 0 or not self.metrics:
+            return
+        figure = Figure(figsize=(6, 3 * len(self.metrics)))
+        for axes, name in zip(np.atleast_1d(figure.subplots(len(self.metrics), 1)), self.metrics):
+            _plot(axes, name, self.train_metrics[name], self.val_metrics[name], self.val_epochs)
+        figure.savefig(path)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _call(self, hook: str) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self)
+
+    def _log(self, line: str) -> None:
+        if self.rank == 0:
+            self.log_fn(line)
+
+
+@dataclass
+class _Clock:
+    """Wall time of an epoch and the part of it spent waiting for batches."""
+
+    start: float
+    waited: float = 0.0
+
+    def finish(self) -> tuple[float, float]:
+        return time.perf_counter() - self.start, self.waited
+
+
+def _build_model(model: Any, kwargs: dict[str, Any]) -> nn.Module:
+    if isinstance(model, nn.Module):
+        if kwargs:
+            raise ValueError(f"model keyword arguments {sorted(kwargs)} given with a built model")
+        return model
+    built = model(**kwargs) if callable(model) else None
+    if not isinstance(built, nn.Module):
+        raise ValueError(
+            f"model_class_or_instance must be an nn.Module or build one, got {model!r}"
+        )
+    return built
+
+
+def _env_flag(name: str) -> bool:
+    text = os.environ.get(name, "").strip().lower()
+    if text not in _TRUE + _FALSE:
+        raise ValueError(f"environment variable {name} must be one of {_TRUE + _FALSE}, "
+                         f"got {os.environ[name]!r}")  # fmt: skip
+    return text in _TRUE
+
+
+def _groups(batches: Iterator[Any], size: int, clock: _Clock) -> Iterator[list[Any]]:
+    """Lists of ``size`` items of ``batches`` (the last may be shorter), timing the waits."""
+    while True:
+        start = time.perf_counter()
+        group = list(islice(batches, size))
+        clock.waited += time.perf_counter() - start
+        if not group:
+            return
+        yield group
+
+
+def _counted(
+    batches: Iterator[Any], flags: np.ndarray | None, seen: int
+) -> Iterator[tuple[Any, int, torch.Tensor | None]]:
+    """(batch, size, pad mask or None) for each batch; ``flags`` marks pads by position in the
+    rank's epoch order, from ``seen`` on; a batch's own ``__pad__`` wins."""
+    for batch in batches:
+        size = _batch_size(batch)
+        if isinstance(batch, Mapping) and "__pad__" in batch:
+            pads = torch.as_tensor(batch["__pad__"], dtype=torch.bool).reshape(-1)
+        elif flags is not None:
+            pads = torch.as_tensor(flags[seen : seen + size])
+        else:
+            pads = None
+        seen += size
+        yield batch, size, pads if pads is not None and bool(pads.any()) else None
+
+
+def _epoch_ids(loader: DataLoader) -> np.ndarray | None:
+    """The global sample ids of this rank's epoch, in order, when the sampler says them."""
+    sampler = loader.sampler
+    if isinstance(loader.dataset, RankCache):
+        return loader.dataset.ids[np.fromiter(sampler, dtype=np.int64)]
+    if isinstance(sampler, DistributedSampler):
+        return np.fromiter(sampler, dtype=np.int64)
+    return None
+
+
+def _pad_flags(loader: DataLoader) -> np.ndarray | None:
+    """True for the repeats in this rank's epoch order: a ``DistributedSampler`` appends them
+    (positions past the dataset, then split rank::world), the rank cache flags them."""
+    sampler = loader.sampler
+    if isinstance(loader.dataset, RankCache):
+        return loader.dataset.pads[np.fromiter(sampler, dtype=np.int64)]
+    if isinstance(sampler, DistributedSampler) and not sampler.drop_last:
+        real = len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
+        return np.arange(len(sampler)) >= real
+    return None
+
+
+def _batch_ids(batch: Any, order: np.ndarray | None, start: int, size: int) -> torch.Tensor:
+    if isinstance(batch, Mapping) and "__index__" in batch:
+        return torch.as_tensor(batch["__index__"], dtype=torch.int64).reshape(-1)
+    if order is None:
+        raise ValueError("predict needs sample ids: a map-style dataset, a DataLoader over a "
+                         "DistributedSampler, or dict batches with '__index__'")  # fmt: skip
+    return torch.as_tensor(order[start : start + size])
+
+
+def _set_epoch(loader: DataLoader, epoch: int) -> None:
+    """Tell the sampler and the dataset the epoch (each that has ``set_epoch``)."""
+    batch_sampler = getattr(loader.batch_sampler, "sampler", None)
+    for holder in (loader.sampler, batch_sampler, loader.dataset):
+        if hasattr(holder, "set_epoch"):
+            holder.set_epoch(epoch)
+
+
+def _resumed(loader: DataLoader, resume: dict[str, Any], skip: int) -> Iterator[Any]:
+    """``loader``'s batches from batch ``skip`` of the epoch on: from the loader's saved state,
+    from a stream state merged over workers (another world size: the rest is split again), or
+    by replaying the sampler."""
+    if resume.get("dataset") is not None:
+        loader.dataset.load_state_dict(resume["dataset"])
+        return iter(loader)
+    if resume["loader"] is not None:
+        loader.load_state_dict(resume["loader"])
+        return iter(loader)
+    if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
+        batches = iter(loader)
+        for _ in islice(batches, skip):  # no sampler to replay: read and drop
+            pass
+        return batches
+    # DataLoader draws its worker seed before the sampler draws its order: draw it too, so
+    # a sampler on the global generator (RandomSampler) replays the same order.
+    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+    rest = list(islice(iter(loader.batch_sampler), skip, None))
+    return iter(DataLoader(
+        loader.dataset, batch_sampler=rest, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+        multiprocessing_context=loader.multiprocessing_context,
+        prefetch_factor=loader.prefetch_factor,
+    ))  # fmt: skip
+
+
+def _length(loader: DataLoader) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, Mapping):
+        return _batch_size(
+            batch["__index__"] if "__index__" in batch else next(iter(batch.values()))
+        )
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], (torch.Tensor, Mapping)):
+        return _batch_size(batch[0])
+    if isinstance(batch, (list, tuple, np.ndarray)):
+        return len(batch)
+    raise ValueError(f"cannot tell the batch size of a {type(batch).__name__} batch")
+
+
+def _split(batch: Any) -> tuple[Any, Any]:
+    """(inputs, target): ``(x, y, ...)`` gives ``(x, y)``; anything else is both."""
+    if isinstance(batch, (list, tuple)):
+        return batch[0], batch[1] if len(batch) > 1 else batch[0]
+    return batch, batch
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {key: _to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(value, device) for value in batch)
+    return batch
+
+
+def _select(batch: Any, keep: torch.Tensor) -> Any:
+    """The rows ``keep`` of every tensor and per-sample list of ``batch``."""
+    if isinstance(batch, torch.Tensor):
+        return batch[keep.to(batch.device)]
+    if isinstance(batch, Mapping):
+        return {key: _select(value, keep) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], (torch.Tensor, Mapping)):
+        return type(batch)(_select(value, keep) for value in batch)
+    if isinstance(batch, (list, tuple)):
+        return [value for value, kept in zip(batch, keep.tolist()) if kept]
+    return batch
+
+
+def _detached(output: Any) -> Any:
+    return output.detach() if isinstance(output, torch.Tensor) else output
+
+
+def _means(sums: list[float], metrics: int) -> tuple[float, list[float]]:
+    """(loss, metrics) from [loss x count, count, metric x count...] sums ([] for none)."""
+    loss_sum, count, *rest = sums + [0.0] * (2 + metrics - len(sums))
+    mean = [value / count if count else math.nan for value in (loss_sum, *rest)]
+    return mean[0], mean[1:]
+
+
+@contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+def _describe(logs: Mapping[str, Any], epochs: int) -> str:
+    figures = ", ".join(
+        f"{name} {value:.4g}" for name, value in logs.items()
+        if value is not None and name not in ("epoch", "step", "samples_per_s", "data_wait")
+    )  # fmt: skip
+    speed = logs["samples_per_s"]
+    tail = "" if speed is None else f" | {speed:.0f} samples/s, data wait {logs['data_wait']:.0%}"
+    return f"epoch {logs['epoch']}/{epochs}: {figures}{tail}"
+
+
+def _plot(
+    axes: Any, name: str, train: list[float], val: list[float], val_epochs: list[int]
+) -> None:
+    axes.plot(range(1, len(train) + 1), train, marker="o", label=f"train {name}")
+    if val:
+        axes.plot(val_epochs, val, marker="o", label=f"val {name}")
+    axes.set_xlabel("epoch")
+    axes.set_ylabel(name)
+    axes.legend()
+
+
+def _requeue() -> None:
+    """``scontrol requeue $SLURM_JOB_ID``; a warning when it cannot run or fails."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job is None:
+        warnings.warn("requeue=True but SLURM_JOB_ID is not set: not requeued", stacklevel=3)
+        return
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    except OSError as exc:
+        warnings.warn(f"scontrol requeue {job} could not run: {exc}", stacklevel=3)
+        return
+    if done.returncode:
+        warnings.warn(f"scontrol requeue {job} failed: {done.stderr.strip()}", stacklevel=3)
