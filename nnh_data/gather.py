@@ -38,7 +38,8 @@ def gather_for_metrics(
     """Every rank's per-sample ``values``, ordered by sample id, each id once, on every rank.
 
     Call it on every rank (it is collective under ``torch.distributed``; alone it only sorts
-    and removes repeats). A tensor needs the same dtype and trailing shape on every rank.
+    and removes repeats). A tensor needs the same dtype and trailing shape on every rank, even
+    where it is empty: ``torch.empty(0, num_classes)``, not ``torch.tensor([])``.
 
     Args:
         values: a tensor with a leading sample dimension, or a list of picklable objects.
