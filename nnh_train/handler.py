@@ -278,7 +278,7 @@ class NNHandler:
         gradient_accumulation_steps: int = 1,
         max_steps: int | None = None,
         resume: str | os.PathLike | None = None,
-        compile: bool = False,
+        compile: bool | str = False,
         requeue: bool = False,
         preempt_path: str | os.PathLike | None = None,
     ) -> None:
@@ -295,7 +295,8 @@ class NNHandler:
             max_steps: stop after this many optimizer steps in total (mid-epoch is fine:
                 ``save`` then resumes there).
             resume: a checkpoint to continue from exactly (see :meth:`load_state`).
-            compile: run the model through ``torch.compile`` (checkpoints are unchanged).
+            compile: run the model through ``torch.compile``: True (inductor) or a backend
+                name such as ``"aot_eager"``; checkpoints are the same either way.
             requeue: after a preemption save under Slurm, rank 0 runs
                 ``scontrol requeue $SLURM_JOB_ID``.
             preempt_path: where SIGUSR1/SIGTERM saves before exiting with
@@ -328,7 +329,7 @@ class NNHandler:
         if missing:
             raise ValueError(f"train needs {', '.join(missing)} to be called first")
 
-    def _prepare(self, run: _Run, compile: bool) -> None:
+    def _prepare(self, run: _Run, compile: bool | str) -> None:
         dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[run.precision]
         device_type = self.device.type
         self._autocast = (
@@ -341,7 +342,8 @@ class NNHandler:
             self._scaler = torch.amp.GradScaler(device_type)
             self._apply_pending("scaler", self._scaler)
         if compile and self._compiled is None:
-            self._compiled = torch.compile(self.model)
+            backend = "inductor" if compile is True else compile
+            self._compiled = torch.compile(self.model, backend=backend)
         self._forward = self._compiled if compile else self.model
 
     def _train_epoch(self, run: _Run) -> bool:
