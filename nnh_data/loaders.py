@@ -75,9 +75,11 @@ def create_distributed_loader(
     """A ``DataLoader`` over this rank's share of ``dataset``, and its ``DistributedSampler``.
 
     Training shuffles (call ``sampler.set_epoch(e)`` before each epoch: the order is drawn from
-    (seed 0, epoch), so without the call every epoch repeats the same order) and drops as
-    ``loader_kwargs["drop_last"]`` says; evaluation keeps the dataset order and drops nothing
-    (the sampler pads the last ranks with repeats, which ``gather_for_metrics`` removes).
+    (seed 0, epoch), so without the call every epoch repeats the same order); with
+    ``loader_kwargs["drop_last"]`` it drops both the samples that do not divide evenly over the
+    ranks (sampler) and the last short batch (loader). Evaluation keeps the dataset order and
+    drops nothing (the sampler pads the last ranks with repeats, which ``gather_for_metrics``
+    removes).
     Defaults, each overridden by ``loader_kwargs``: ``num_workers`` from
     :func:`default_num_workers`, ``pin_memory`` on CUDA, ``persistent_workers`` with workers.
     Works without a process group (rank and world size from :func:`nnh_data.topology.dist_info`).
@@ -199,8 +201,9 @@ def create_rank_cached_dataloader(
             when ``device`` is CUDA and the cache is not on it). Batches are gathered by index,
             so pinning the cache itself would not pin them.
         on_device: hold the cache on ``device``; batches are then gathered there.
-        max_bytes: the most memory the share may take; a share estimated larger (from the
-            bytes of the samples read so far) fails at its first sample, naming both sizes.
+        max_bytes: the most memory the cached share may take; a share estimated larger (from
+            the bytes of the samples read so far) fails at its first sample, naming both sizes.
+            While it is collated, the share briefly takes about twice that.
 
     Returns:
         ``(loader, sampler)``; ``loader.dataset`` is the :class:`RankCache`.
@@ -229,7 +232,8 @@ def create_rank_cached_dataloader(
     else:
         where = dist_info()
         ids, pads = rank_share(len(dataset), *where, split, uneven)
-        samples = _load(_reader(Subset(dataset, ids.tolist()), first_pass), len(ids), max_bytes)
+        reader = _reader(Subset(dataset, ids.tolist()), first_pass)
+        samples = _load(reader, len(ids), max_bytes, where[0])
     collate_fn = kwargs.pop("collate_fn", None)
     cache = RankCache(
         samples, ids, pads, collate=collate_fn is None, device=device if on_device else None
@@ -307,7 +311,7 @@ def _stream_share(
     """The samples of this rank's stream, made up to ``len(dataset)`` with flagged repeats
     when samples were skipped (``on_error="skip"``), with their ids and pad flags."""
     length = len(dataset)
-    samples = _load(_reader(dataset, first_pass), length, max_bytes)
+    samples = _load(_reader(dataset, first_pass), length, max_bytes, dataset.rank)
     if length and not samples:
         raise ValueError(f"the stream of rank {dataset.rank} yielded no sample of the {length} "
                          "expected (all skipped?): nothing to cache")  # fmt: skip
@@ -323,7 +327,7 @@ def _reader(dataset: Dataset, first_pass: dict) -> DataLoader:
     return DataLoader(dataset, batch_size=None, collate_fn=_as_collated, **first_pass)
 
 
-def _load(source: Iterable, count: int, max_bytes: int | None) -> list:
+def _load(source: Iterable, count: int, max_bytes: int | None, rank: int) -> list:
     """The samples of ``source`` (``count`` expected), failing as soon as they look too big."""
     samples, used = [], 0
     for sample in source:
@@ -334,7 +338,7 @@ def _load(source: Iterable, count: int, max_bytes: int | None) -> list:
         needed = used * count // len(samples)
         if needed > max_bytes:
             raise ValueError(
-                f"this rank's share of {count} samples needs about {_mib(needed)} "
+                f"rank {rank}'s share of {count} samples needs about {_mib(needed)} "
                 f"({_mib(used / len(samples))} per sample over the {len(samples)} read), more "
                 f"than max_bytes={max_bytes} ({_mib(max_bytes)})"
             )

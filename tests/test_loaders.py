@@ -4,6 +4,7 @@ the pure parts (shares, the cache's batches against default_collate, the sampler
 from __future__ import annotations
 
 import collections
+import itertools
 import warnings
 
 import numpy as np
@@ -307,7 +308,7 @@ def test_cache_bytes_per_rank_shrink_with_world_size(monkeypatch):
 
 def test_max_bytes_fails_at_the_first_sample():
     ds = Numbered(size=1000, width=256)  # 1 KiB of x per sample: about 1 MiB in all
-    message = r"share of 1000 samples needs about 0\.9\d MiB .*max_bytes=100000"
+    message = r"rank 0's share of 1000 samples needs about 0\.9\d MiB .*max_bytes=100000"
     with pytest.raises(ValueError, match=message):
         create_rank_cached_dataloader(ds, BATCH, "cpu", quiet, max_bytes=100_000)
     assert ds.calls == 1
@@ -410,6 +411,25 @@ def test_streams_that_cannot_be_cached_fail_early(shard_pattern):
     for ds, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             create_rank_cached_dataloader(ds, BATCH, "cpu", quiet, **kwargs)
+
+
+class Lossy(ShardedStreamingDataset):
+    """A stream that loses every other sample, as ``on_error="skip"`` loses corrupt ones."""
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), 0, None, 2)
+
+
+def test_a_short_stream_is_made_up_with_flagged_repeats(shard_pattern):
+    loader, sampler = create_rank_cached_dataloader(Lossy(shard_pattern), BATCH, "cpu", quiet, True)
+    cache = loader.dataset
+    assert len(cache) == N and cache.pads.sum() == N // 2
+    real = cache.ids[~cache.pads].tolist()
+    assert len(set(real)) == len(real) == N - N // 2
+    assert set(cache.ids[cache.pads].tolist()) <= set(real)
+    batches = list(loader)
+    assert torch.cat([b["__pad__"] for b in batches]).tolist() == cache.pads.tolist()
+    assert torch.cat([b["__index__"] for b in batches]).tolist() == cache.ids.tolist()
 
 
 def test_nbytes_counts_data():
