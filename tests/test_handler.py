@@ -19,10 +19,10 @@ from nnh_train.handler import NNHandler
 class Net(nn.Module):
     """A 2-layer MLP with dropout, so that an exact resume also needs the generator states."""
 
-    def __init__(self, hidden: int = 8) -> None:
+    def __init__(self, hidden: int = 8, dropout: float = 0.2) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Linear(4, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, 1)
+            nn.Linear(4, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 1)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
