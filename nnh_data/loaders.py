@@ -6,7 +6,7 @@ defaults chosen from the machine (workers per rank, pinned memory on CUDA), logg
 contiguous or interleaved ids of ``DistributedRangeSplitter``, equalised with flagged repeats
 or by dropping), collates it into a :class:`RankCache` (one tensor per field) and serves every
 epoch from memory: a batch is one index operation per field, in the main process, in an order
-that :class:`RankCachedSampler` draws from (seed, epoch). The trade-off: a rank only ever sees
+that :class:`RankCachedSampler` draws from (seed, epoch, rank). The trade-off: a rank only ever sees
 its own share (the order within it changes each epoch, not the split), and memory holds
 ``1 / world_size`` of the dataset; in exchange the dataset's ``__getitem__`` (decoding, disk,
 network) runs once per sample per job instead of once per epoch.
@@ -184,7 +184,7 @@ def create_rank_cached_dataloader(
     field (or kept as samples when ``loader_kwargs`` has a ``collate_fn``) and every batch is
     gathered from it in the main process. Every rank holds the same number of samples, so every
     rank runs the same number of batches. Training reshuffles the share when
-    ``sampler.set_epoch(e)`` is called (the order is a pure function of (seed, epoch));
+    ``sampler.set_epoch(e)`` is called (the order is a pure function of (seed, epoch, rank));
     evaluation keeps it in order. Cached ``__aug__`` parameters of a stream are those of the
     epoch that was read.
 
@@ -238,7 +238,7 @@ def create_rank_cached_dataloader(
     cache = RankCache(
         samples, ids, pads, collate=collate_fn is None, device=device if on_device else None
     )
-    sampler = RankCachedSampler(len(cache), seed=seed, shuffle=not is_eval)
+    sampler = RankCachedSampler(len(cache), seed=seed, shuffle=not is_eval, rank=where[0])
     loader = DataLoader(
         cache, sampler=sampler, drop_last=drop_last, pin_memory=pin, num_workers=0,
         collate_fn=collate_fn or _as_collated, **kwargs,
@@ -417,21 +417,27 @@ class RankCache(Dataset):
 
 
 class RankCachedSampler(Sampler[int]):
-    """Positions ``0 .. num_samples - 1`` of a rank's cache, in an order drawn from (seed, epoch).
+    """Positions ``0 .. num_samples - 1`` of a rank's cache, in an order drawn from
+    (seed, epoch, rank).
 
-    The order is a pure function of (seed, epoch, num_samples): any process computes it, and
-    resuming at an epoch gives that epoch's order. Without ``shuffle``, positions in order.
+    The order is a pure function of (seed, epoch, rank, num_samples): any process computes it,
+    and resuming at an epoch gives that epoch's order. The rank is part of it so that ranks do
+    not walk their shares in step (with an interleaved split, a global batch would otherwise
+    hold runs of neighbouring ids). Without ``shuffle``, positions in order.
 
     Example:
-        >>> sampler = RankCachedSampler(5, seed=1)
+        >>> sampler = RankCachedSampler(5, seed=1, rank=2)
         >>> sampler.set_epoch(3)
         >>> sorted(sampler)
         [0, 1, 2, 3, 4]
     """
 
-    def __init__(self, num_samples: int, *, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self, num_samples: int, *, seed: int = 0, shuffle: bool = True, rank: int = 0
+    ) -> None:
         self.num_samples = check_int("num_samples", num_samples, low=0)
         self.seed = check_int("seed", seed, low=0)
+        self.rank = check_int("rank", rank, low=0)
         self.shuffle = bool(shuffle)
         self.epoch = 0
 
@@ -445,8 +451,8 @@ class RankCachedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         if not self.shuffle:
             return iter(range(self.num_samples))
-        key = mix64_int(stream_key(self.seed, self.epoch, 1) ^ _CACHE_ORDER_DOMAIN)
-        return iter(hashed_permutation(self.num_samples, key).tolist())
+        key = stream_key(self.seed, self.epoch, 1) ^ mix64_int(_CACHE_ORDER_DOMAIN + self.rank)
+        return iter(hashed_permutation(self.num_samples, mix64_int(key)).tolist())
 
 
 def nbytes(value: Any) -> int:

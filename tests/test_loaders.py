@@ -286,6 +286,7 @@ def test_sampler_order_is_a_function_of_seed_and_epoch():
     sampler.set_epoch(1)
     assert list(sampler) != first
     assert list(RankCachedSampler(50, seed=4)) != first
+    assert list(RankCachedSampler(50, seed=3, rank=1)) != first  # ranks not in step
     assert list(RankCachedSampler(5, shuffle=False)) == [0, 1, 2, 3, 4]
     assert len(sampler) == 50 and list(RankCachedSampler(0)) == []
 
