@@ -355,8 +355,9 @@ class NNHandler:
         loader = self.train_loader
         clock = _Clock(time.perf_counter())
         total = _length(loader)
-        bar = tqdm(total=total, initial=self._batches_done, disable=self.rank != 0, leave=False,
-                   desc=f"epoch {self.epoch + 1}/{run.epochs}", dynamic_ncols=True)  # fmt: skip
+        quiet = {"disable": True} if self.rank != 0 else {}  # rank 0: TQDM_DISABLE=1 works
+        bar = tqdm(total=total, initial=self._batches_done, leave=False, dynamic_ncols=True,
+                   desc=f"epoch {self.epoch + 1}/{run.epochs}", **quiet)  # fmt: skip
         with bar:
             for group in _groups(self._epoch_batches(loader), run.accumulation, clock):
                 self._train_step(group, run)
