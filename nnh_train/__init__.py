@@ -5,6 +5,14 @@ an error on one rank stops every rank with the real cause instead of a collectiv
 """
 
 from nnh_train._outcome import RankError
+from nnh_train.callbacks import (
+    Callback,
+    CSVLogger,
+    EarlyStopping,
+    ModelCheckpoint,
+    TensorBoardLogger,
+)
+from nnh_train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from nnh_train.dd_helpers import (
     aggregate_loss,
     aggregate_metrics,
@@ -23,13 +31,22 @@ from nnh_train.ddp_decorators import (
     parallelize_on_gpus,
 )
 from nnh_train.ddp_init import DEFAULT_TIMEOUT, DistInfo, get_dist_info, initialize_ddp
+from nnh_train.handler import PREEMPTED_EXIT_CODE, NNHandler
 from nnh_train.slurm import expand_slurm_nodelist, expand_tasks_per_node
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "PREEMPTED_EXIT_CODE",
+    "CSVLogger",
+    "Callback",
+    "CheckpointError",
     "DistInfo",
+    "EarlyStopping",
+    "ModelCheckpoint",
+    "NNHandler",
     "ParallelExecutor",
     "RankError",
+    "TensorBoardLogger",
     "WorkerError",
     "aggregate_loss",
     "aggregate_metrics",
@@ -43,7 +60,9 @@ __all__ = [
     "gather_to_rank0",
     "get_dist_info",
     "initialize_ddp",
+    "load_checkpoint",
     "on_rank",
     "parallel_on_all_devices",
     "parallelize_on_gpus",
+    "save_checkpoint",
 ]
