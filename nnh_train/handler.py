@@ -385,7 +385,7 @@ class NNHandler:
         return _counted(batches, _pad_flags(loader), seen)
 
     def _train_step(self, group: list[tuple[Any, int, torch.Tensor | None]], run: _Run) -> None:
-        rows = self._gather(self._forward_backward(group))
+        rows = self._forward_backward(group)()
         self._check_finite(rows)
         self._optimizer_step()
         self._account(rows, len(group))
@@ -393,27 +393,36 @@ class NNHandler:
         if any(row[-1] for row in rows):
             self._preempt(run, [r for r, row in enumerate(rows) if row[-1]])
 
-    def _forward_backward(self, group: list[tuple[Any, int, torch.Tensor | None]]) -> torch.Tensor:
+    def _forward_backward(
+        self, group: list[tuple[Any, int, torch.Tensor | None]]
+    ) -> Callable[[], list[list[float]]]:
         """Forward and backward over the group's batches, each weighted by its share of the
-        group's samples; this rank's row: mean loss, real samples, metrics, signal flag."""
+        group's samples. The rows (mean loss, real samples, metrics, signal flag) are exchanged
+        while the last backward runs, so the collective's latency hides behind it; the result
+        waits for them."""
         total = sum(size for _, size, _ in group)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         metric_sums = torch.zeros(len(self.metrics), dtype=torch.float64, device=self.device)
         real = 0
         for i, (batch, size, pads) in enumerate(group):
             inputs, target = _split(_to_device(batch, self.device))
-            sync = i == len(group) - 1 or not self.distributed
-            with nullcontext() if sync else self.model.no_sync():
+            last = i == len(group) - 1
+            with nullcontext() if last or not self.distributed else self.model.no_sync():
                 with self._autocast():
                     output = self._forward(inputs)
                     loss = self.loss_fn(output, target)
+                loss_sum += loss.detach().double() * size
+                metric_sums += self._metric_values(output, target) * size
+                real += size - (0 if pads is None else int(pads.sum()))
+                if last:
+                    rows = self._gather(self._row(loss_sum / total, real, metric_sums / total))
                 self._backward(loss * (size / total))
-            loss_sum += loss.detach().double() * size
-            metric_sums += self._metric_values(output, target) * size
-            real += size - (0 if pads is None else int(pads.sum()))
+        return rows
+
+    def _row(self, loss: torch.Tensor, real: int, metrics: torch.Tensor) -> torch.Tensor:
         count = torch.tensor([real], dtype=torch.float64, device=self.device)
         flag = torch.tensor([self._signal is not None], dtype=torch.float64, device=self.device)
-        return torch.cat([(loss_sum / total)[None], count, metric_sums / total, flag])
+        return torch.cat([loss[None], count, metrics, flag])
 
     def _backward(self, loss: torch.Tensor) -> None:
         (loss if self._scaler is None else self._scaler.scale(loss)).backward()
@@ -426,13 +435,19 @@ class NNHandler:
                       for v in values]  # fmt: skip
         return torch.stack(as_tensors) if as_tensors else torch.zeros(0, device=self.device)
 
-    def _gather(self, row: torch.Tensor) -> list[list[float]]:
-        """Every rank's ``row``, in rank order, on every rank: the step's one collective."""
+    def _gather(self, row: torch.Tensor) -> Callable[[], list[list[float]]]:
+        """Start the step's one collective; the result waits for every rank's ``row``, in rank
+        order (the same list on every rank)."""
         if not self.distributed:
-            return [row.tolist()]
+            return lambda: [row.tolist()]
         rows = [torch.empty_like(row) for _ in range(self.world_size)]
-        dist.all_gather(rows, row)
-        return torch.stack(rows).tolist()
+        work = dist.all_gather(rows, row, async_op=True)
+
+        def wait() -> list[list[float]]:
+            work.wait()
+            return torch.stack(rows).tolist()
+
+        return wait
 
     def _check_finite(self, rows: list[list[float]]) -> None:
         bad = {rank: row[0] for rank, row in enumerate(rows) if not math.isfinite(row[0])}
@@ -484,7 +499,7 @@ class NNHandler:
 
     def _validate(self) -> None:
         sums = self._evaluate(self.val_loader)
-        totals = [sum(column) for column in zip(*self._gather(sums))]
+        totals = [sum(column) for column in zip(*self._gather(sums)())]
         loss, metrics = _means(totals, len(self.metrics))
         self.val_losses.append(loss)
         self.val_epochs.append(self.epoch + 1)

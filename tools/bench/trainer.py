@@ -1,0 +1,141 @@
+"""Benchmark: time per step of NNHandler against a hand-written DDP loop, 2 gloo processes.
+
+Prints one JSON object. Both sides train the same MLP (``--width`` wide, 3 layers) with Adam on
+the same in-memory data (a ``TensorDataset`` of ``--samples`` rows, ``--batch`` per rank), from
+the same weights, for one epoch per round; the rounds alternate between the two sides so that a
+change in machine load between rounds affects both. The hand-written loop is the minimal one:
+``DistributedSampler`` + ``DataLoader``, ``sampler.set_epoch``, zero_grad / forward / backward /
+step and ``loss.item()`` per step. NNHandler adds its per-step all_gather (NaN and signal flags,
+loss and sample count), its bookkeeping and a progress bar (disabled here with TQDM_DISABLE=1, as
+the bench output is not a terminal). ``ratio`` = NNHandler's median seconds per step / the
+loop's; target <= 1.05.
+
+    .venv/bin/python tools/bench/trainer.py [--rounds 5] [--width 512] [--batch 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from nnh_train import NNHandler
+
+WORLD = 2
+
+
+def model(width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+    )
+
+
+def dataset(samples: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 64, generator=generator)
+    return TensorDataset(x, torch.randint(0, 10, (samples,), generator=generator))
+
+
+def hand_written(data: TensorDataset, args: argparse.Namespace) -> int:
+    """One epoch of the minimal DDP loop; the number of steps."""
+    net = DistributedDataParallel(model(args.width))
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+    sampler = DistributedSampler(data)
+    loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
+    sampler.set_epoch(0)
+    total, steps = 0.0, 0
+    for x, y in loader:
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        optimizer.step()
+        total += loss.item()
+        steps += 1
+    return steps
+
+
+def with_handler(data: TensorDataset, args: argparse.Namespace) -> int:
+    """One epoch of NNHandler on the same model and data; the number of steps."""
+    handler = NNHandler(model(args.width), device="cpu")
+    handler.log_fn = lambda line: None
+    handler.set_optimizer(torch.optim.Adam, lr=1e-3)
+    handler.set_loss_fn(nn.functional.cross_entropy)
+    handler.set_train_loader(data, batch_size=args.batch, num_workers=0)
+    handler.train(1)
+    return handler.step
+
+
+def timed(fn, data: TensorDataset, args: argparse.Namespace) -> float:
+    """Seconds per step of ``fn``, both ranks starting together."""
+    dist.barrier()
+    start = time.perf_counter()
+    steps = fn(data, args)
+    dist.barrier()
+    return (time.perf_counter() - start) / steps
+
+
+def rank_main(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))  # fmt: skip
+    torch.set_num_threads(1)  # one core per rank on a 2-core machine
+    dist.init_process_group("gloo")
+    data = dataset(args.samples)
+    times: dict[str, list[float]] = {"handler": [], "hand": []}
+    timed(hand_written, data, args)  # warm-up of both sides
+    timed(with_handler, data, args)
+    for _ in range(args.rounds):
+        times["handler"].append(timed(with_handler, data, args))
+        times["hand"].append(timed(hand_written, data, args))
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump(times, fh)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=12_800)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=64)
+    args = parser.parse_args()
+    os.environ["TQDM_DISABLE"] = "1"  # read by tqdm at import, in the spawned processes
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        mp.spawn(rank_main, args=(args, free_port(), out), nprocs=WORLD)
+        with open(out) as fh:
+            times = json.load(fh)
+    handler, hand = statistics.median(times["handler"]), statistics.median(times["hand"])
+    print(json.dumps({
+        "world_size": WORLD,
+        "width": args.width,
+        "batch_per_rank": args.batch,
+        "steps_per_round": args.samples // (WORLD * args.batch),
+        "rounds": args.rounds,
+        "handler_ms_per_step": round(handler * 1e3, 3),
+        "hand_written_ms_per_step": round(hand * 1e3, 3),
+        "ratio": round(handler / hand, 3),
+        "ratio_per_round": [round(a / b, 3) for a, b in zip(times["handler"], times["hand"])],
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
