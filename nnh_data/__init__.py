@@ -18,6 +18,13 @@ from nnh_data.loaders import (
     create_rank_cached_dataloader,
     rank_share,
 )
+from nnh_data.precompute import (
+    PrecomputedParams,
+    PrecomputeSpec,
+    load_precomputed_params,
+    verify_precomputed_params,
+    write_precomputed_params,
+)
 from nnh_data.ranges import DistributedRangeSplitter
 from nnh_data.seeding import RankAwareSeedGenerator
 from nnh_data.shards import (
@@ -39,6 +46,8 @@ __all__ = [
     "AugmentParams",
     "AugmentationConfig",
     "DistributedRangeSplitter",
+    "PrecomputeSpec",
+    "PrecomputedParams",
     "RankAwareSeedGenerator",
     "RankCache",
     "RankCachedSampler",
@@ -58,9 +67,12 @@ __all__ = [
     "get_preset",
     "iter_shard_samples",
     "list_presets",
+    "load_precomputed_params",
     "merge_states",
     "rank_share",
     "state_from_loader",
     "stream_distributed_augmentation_chain",
+    "verify_precomputed_params",
+    "write_precomputed_params",
     "write_shards",
 ]
