@@ -364,6 +364,7 @@ class NNHandler:
                 bar.update(len(group))
                 bar.set_postfix(loss=f"{self.step_loss:.4g}", refresh=False)
                 if run.max_steps is not None and self.step >= run.max_steps:
+                    self._resume = self._rank_state()  # a later train() continues from here
                     return False
         self._timing = clock.finish()
         return True

@@ -85,6 +85,16 @@ def test_resume_is_bitwise_the_uninterrupted_run(tmp_path, make_train, stop_at):
     assert len(resumed.train_losses) == 3 and len(resumed.val_losses) == 3
 
 
+def test_train_after_max_steps_continues_where_it_stopped():
+    whole = handler()
+    whole.train(3)
+    stepped = handler()
+    stepped.train(3, max_steps=7)  # mid-epoch 1
+    torch.rand(5)  # the caller's own use of the generator does not shift the run
+    stepped.train(3)
+    assert_same_run(whole, stepped)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])  # fp16: the scaler skips differ
 def test_gradient_accumulation_equals_one_big_batch(precision):
     # 40 samples in batches of 4, groups of 3: 12, 12, 12 and a short last group of 4
