@@ -48,7 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in _COMMANDS else "write"
-    args = _parser(command).parse_args(argv[1:] if argv and argv[0] == command else argv)
+    try:
+        args = _parser(command).parse_args(argv[1:] if argv and argv[0] == command else argv)
+    except SystemExit as done:  # --help, or a usage error already printed on one line
+        return int(done.code or 0)
     try:
         return _COMMANDS[command][0](args)
     except (ValueError, OSError) as err:
