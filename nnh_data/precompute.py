@@ -8,13 +8,16 @@ The rows are cut into files of ``rows_per_file`` rows (``part-000000.parquet``, 
 into row groups of ``ROWS_PER_GROUP`` rows, so where any sample's row lies is arithmetic: a
 lookup reads only the row groups its ids fall in, and no index is built or stored.
 
-Format, and its trade-off. Files are uncompressed, PLAIN-encoded Parquet, read through a
-memory map. pyarrow cannot view Parquet pages in place, compressed or not, so reading a row
-group always copies it; uncompressed, that copy is the whole decoding cost (about 12 ns a row
-here, against about 230 ns to generate the row, and 28 ns with zstd), and writing costs no
-codec time (zstd: 1.7x the write time). The price is size: 72 bytes a row, where zstd stores
-46 (the key columns and the narrow ranges' exponents compress). A lookup keeps the last few
-row groups it decoded (about 3 MB each; ids of a streaming window fall in one or two).
+Format, and its trade-off. pyarrow decodes every Parquet page it reads into new memory, so a
+lookup through it costs whole row groups (64K rows, about 1 ms) however few ids it wants, and
+a streaming window's ids (a few thousand, from one shard) would pay that again at each shard.
+So the parameter and seed columns are written PLAIN, uncompressed, one page per row group, and
+lookups view them in place in the memory-mapped file (``nnh_data.parquet_views``): a lookup
+costs only the ids it touches, and every worker of a node shares the page cache. The price is
+small: zstd would save 6% of these columns (random 64-bit values hardly compress; measured
+48.0 against 45.4 MB per million rows) at 1.7x the write time and a decoding copy per read.
+The key columns (sample id, epoch, rank), which lookups never read, are delta-encoded to
+almost nothing: 48.1 bytes a row in all. Any Parquet reader reads the files.
 
 Work split and restarts. File ``i`` belongs to one task (``DistributedRangeSplitter`` over the
 files). Each file is written under a hidden temporary name and renamed when complete; then its
@@ -67,7 +70,7 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "_manifest.json"
-ROWS_PER_GROUP = 1 << 16  # the unit a lookup reads: 4.5 MB of a file, 3 MB of values
+ROWS_PER_GROUP = 1 << 16  # one page of each column: 512 KiB, fine for any Parquet reader
 METADATA_KEY = b"nnh.precompute"  # the table's description, in every file's Parquet metadata
 FORMAT = "nnh-precompute"
 _SPEC_NAME = "_table.json"  # the description, written by the first task: later tasks compare
@@ -523,9 +526,9 @@ def load_precomputed_params(directory: str | os.PathLike) -> PrecomputedParams:
 class PrecomputedParams:
     """A finished table: the parameters of any sample ids, columnar, read from its files.
 
-    Build it with ``load_precomputed_params``. A lookup reads the row groups its ids fall in
-    through a memory map and keeps the last few it read; the table is never copied whole.
-    Picklable (the read row groups stay behind), so it travels to DataLoader workers.
+    Build it with ``load_precomputed_params``. Files are memory-mapped when a lookup first needs
+    them (the last 64 stay mapped) and values are gathered from views of them: the table is
+    never read whole. Picklable (the maps stay behind), so it travels to DataLoader workers.
 
     Example:
         >>> import tempfile
@@ -636,9 +639,7 @@ class PrecomputedParams:
         groups = column_views(data, _VALUE_COLUMNS, str(path))
         sizes = [len(group["seed"]) for group in groups]
         rows = self.spec.file_rows(file_index)
-        if sizes != [
-            len(rows[i : i + ROWS_PER_GROUP]) for i in range(0, len(rows), ROWS_PER_GROUP)
-        ]:
+        if sizes != [len(part) for part in _row_groups(rows)]:
             raise ValueError(
                 f"{path} has row groups of {sizes} rows, the table needs {len(rows)} "
                 f"rows in groups of {ROWS_PER_GROUP}"
@@ -693,8 +694,8 @@ def verify_precomputed_params(directory: str | os.PathLike, fraction: float = 1.
     """Check the finished table in ``directory`` against the parameters it should hold; the
     number of rows recomputed.
 
-    Every file is checked to be listed, present and of its listed size, and no other Parquet
-    file to lie beside them. Then every row of the files checked (all, or ``fraction`` of them
+    Every file is checked to be listed and present, and no other Parquet file to lie beside
+    them. Then every row of the files checked (all, or ``fraction`` of them
     chosen at random, at least one) is read with plain pyarrow and compared bit for bit with
     a fresh computation: keys first (each sample id, epoch and rank exactly once, in order),
     then values, then the file's sha256. The first difference raises ``ValueError`` naming the
