@@ -4,7 +4,7 @@ Prints one JSON object. ``write_vs_generate``: rows/s of ``write_precomputed_par
 task, files of 1M rows: generate, encode, hash, store) over rows/s of generating the same rows
 with ``gen_augmentation_params_batch`` alone, 1M at a time (target >= 0.5: writing must not
 dominate). ``lookup_vs_generate``: rows/s of ``PrecomputedParams.batch`` on shuffled windows of
-4096 ids over generating those windows. Peak RSS (ru_maxrss) of a fresh process writing the table
+4096 ids over generating those windows. Peak RSS (VmHWM) of a fresh process writing the table
 of 1x and 10x the samples (``rss_growth`` = 10x / 1x - 1, target < 0.1). Rates are the best of
 a few rounds in which a figure and its baseline take turns (``best_rates`` of streaming.py).
 
@@ -52,13 +52,15 @@ def windows(num_samples: int, count: int) -> list[np.ndarray]:
 
 
 def peak_rss_mib(samples: int, root: str) -> float:
-    """Peak RSS (MiB) of a fresh process that writes the table of ``samples`` samples."""
+    """Peak RSS (MiB) of a fresh process that writes the table of ``samples`` samples: its
+    VmHWM (not ``ru_maxrss``, which Linux carries over from the forking parent)."""
     return in_fresh_process(
-        "import resource, tempfile\n"
+        "import tempfile\n"
         "from nnh_data.precompute import PrecomputeSpec, write_precomputed_params\n"
         f"write_precomputed_params(PrecomputeSpec({samples}, 1), tempfile.mkdtemp(dir={root!r}),"
         " progress=False)\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # KiB on Linux"
+        "print(next(int(line.split()[1]) for line in open('/proc/self/status')"
+        " if line.startswith('VmHWM')) / 1024)"
     )
 
 
