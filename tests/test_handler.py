@@ -170,33 +170,39 @@ class FromField(nn.Linear):
         return super().forward(batch["x"])
 
 
-def test_streaming_dataset_resumes_mid_epoch(tar_shards, tmp_path):
-    urls = tar_shards([7, 9, 8])
+def stream_handler(urls: list[str], seed: int = 0, seen: list | None = None) -> NNHandler:
+    """A linear model regressing each sample's id from its payload, on a stream of ``urls``;
+    ``seen`` collects the (id, pad) of every sample trained on."""
+    torch.manual_seed(seed)
+    h = NNHandler(FromField(16, 1), device="cpu")
+    h.log_fn = lambda line: None
+    h.set_optimizer(torch.optim.SGD, lr=0.01)
 
-    def stream_handler(seed: int = 0) -> NNHandler:
-        torch.manual_seed(seed)
-        h = NNHandler(FromField(16, 1), device="cpu", use_distributed=False)
-        h.log_fn = lambda line: None
-        h.set_optimizer(torch.optim.SGD, lr=0.01)
-        h.set_loss_fn(
-            lambda out, batch: (out.squeeze(1) - batch["__index__"].float()).pow(2).mean()
-        )
-        h.set_train_loader(ShardedStreamingDataset(urls, seed=3, decode=as_features), batch_size=5)
-        return h
+    def loss(out: torch.Tensor, batch: dict) -> torch.Tensor:
+        if seen is not None:
+            seen.extend(zip(batch["__index__"].tolist(), batch["__pad__"].tolist()))
+        return (out.squeeze(1) - batch["__index__"].float()).pow(2).mean()
 
-    whole = stream_handler()
-    whole.train(2)
-    first = stream_handler()
-    first.train(2, max_steps=7)  # epoch 1, batch 2 of 5
-    first.save(tmp_path / "ckpt.pt")
-    resumed = stream_handler(seed=5)
-    resumed.train(2, resume=tmp_path / "ckpt.pt")
-    assert_same_run(whole, resumed)
+    h.set_loss_fn(loss)
+    h.set_train_loader(ShardedStreamingDataset(urls, seed=3, decode=as_features), batch_size=5)
+    return h
 
 
 def as_features(sample: dict) -> dict:
     """A dict sample as the model sees it: its 16 payload bytes as floats."""
     return {**sample, "x": torch.frombuffer(bytearray(sample["bin"]), dtype=torch.uint8).float()}
+
+
+def test_streaming_dataset_resumes_mid_epoch(tar_shards, tmp_path):
+    urls = tar_shards([7, 9, 8])
+    whole = stream_handler(urls)
+    whole.train(2)
+    first = stream_handler(urls)
+    first.train(2, max_steps=7)  # epoch 1, batch 2 of 5
+    first.save(tmp_path / "ckpt.pt")
+    resumed = stream_handler(urls, seed=5)
+    resumed.train(2, resume=tmp_path / "ckpt.pt")
+    assert_same_run(whole, resumed)
 
 
 def test_argument_errors():

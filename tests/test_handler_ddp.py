@@ -11,15 +11,17 @@ import os
 import pytest
 import torch
 from dist_harness import run_distributed
-from test_handler import Net, data
+from test_handler import Net, data, stream_handler
 from torch import nn
 
+from nnh_data import write_shards
 from nnh_train.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint
 from nnh_train.checkpoint import load_checkpoint
 from nnh_train.handler import NNHandler
 
 WORLD = 2
 NAN_AT = 5  # the optimizer step at which rank 1's loss turns NaN
+STREAM = 25  # samples in the stream: 13 per rank, one of them a pad
 
 
 def make(batch_size: int, train_size: int = 48, lr: float = 0.01, optimizer=torch.optim.Adam,
@@ -103,8 +105,17 @@ def _compiled(rank: int, world_size: int, folder: str) -> dict:
     return {"start": start, **summary(h)}
 
 
-def _scenarios(rank: int, world_size: int, folder: str) -> dict:
+def _stream(rank: int, world_size: int, folder: str, urls: list[str]) -> list:
+    seen: list = []
+    h = stream_handler(urls, seen=seen)
+    h.train(1, max_steps=2)  # 10 of the rank's 13 samples
+    h.save(os.path.join(folder, "stream.pt"))
+    return seen
+
+
+def _scenarios(rank: int, world_size: int, folder: str, urls: list[str]) -> dict:
     return {
+        "stream": _stream(rank, world_size, folder, urls),
         "history": _history(rank, world_size),
         "fp16": _fp16(rank, world_size),
         "nan": _nan(rank, world_size),
@@ -123,8 +134,16 @@ def folder(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def reports(folder) -> list[dict]:
-    return run_distributed(_scenarios, WORLD, folder, timeout=150)
+def urls(tmp_path_factory) -> list[str]:
+    path = tmp_path_factory.mktemp("stream")
+    samples = ({"__key__": f"{g:06d}", "bin": bytes([g % 7] * 16)} for g in range(STREAM))
+    write_shards(samples, f"{path}/s-%06d.tar", max_count=9)
+    return sorted(str(p) for p in path.glob("s-*.tar"))
+
+
+@pytest.fixture(scope="module")
+def reports(folder, urls) -> list[dict]:
+    return run_distributed(_scenarios, WORLD, folder, urls, timeout=150)
 
 
 def flat(history: tuple) -> list[list[float]]:
@@ -224,3 +243,15 @@ def test_checkpoints_move_between_plain_and_ddp_compiled_models(reports, folder)
     for name, value in reports[0]["compiled"]["weights"].items():
         assert torch.equal(plain.module.state_dict()[name], value)
     assert plain.epoch == 2 and reports[0]["compiled"]["step"] == 12
+
+
+@pytest.mark.timeout(200)
+def test_stream_checkpoint_resumes_with_another_world_size(reports, folder, urls):
+    seen = reports[0]["stream"] + reports[1]["stream"]
+    assert len(seen) == 20  # 2 steps of 5 on each rank
+    rest: list = []
+    alone = stream_handler(urls, seen=rest)
+    with pytest.warns(RuntimeWarning, match="world_size=2, not 1"):
+        alone.train(1, resume=os.path.join(folder, "stream.pt"))
+    real = sorted(index for index, pad in seen + rest if not pad)
+    assert real == list(range(STREAM))  # the rest of the epoch, each sample once
