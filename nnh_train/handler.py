@@ -1,14 +1,16 @@
 """``NNHandler``: a small DDP training loop that keeps ranks in step and resumes exactly.
 
-Design. Each optimizer step ends with one collective: an ``all_gather`` of a short row per rank
-(the step's loss, its sample count without pads, each metric, and a "signal received" flag).
-From the same gathered rows every rank decides the same things the same way: a non-finite loss on
+Design. Each optimizer step has one collective: an ``all_gather`` of a short row per rank (the
+step's loss, its sample count without pads, each metric, and a "signal received" flag), started
+before the last backward and waited for before the optimizer step, so its latency overlaps the
+backward. From the same gathered rows every rank decides the same things the same way: a non-finite loss on
 any rank stops every rank before the optimizer step, with an error naming the ranks, the step and
 the values; a SIGUSR1/SIGTERM on any rank (the signal handler only sets a flag) makes every rank
 save the same checkpoint at the same step and exit with :data:`PREEMPTED_EXIT_CODE`; and the
 history is summed in rank order from those rows, so it is identical on every rank, and so are the
-callbacks' decisions that read it. The cost is one small collective per step, which a loop that
-logs its loss already pays in a device sync (measured in ``tools/bench/trainer.py``).
+callbacks' decisions that read it. The cost is that one small collective per step (measured
+against a bare loop in ``tools/bench/trainer.py``); a NaN check or a preemption flag that ranks
+must agree on cannot be had for less.
 
 Resume. A checkpoint holds the unwrapped model, optimizer, scheduler, scaler, the position (epoch,
 batches done in it, optimizer steps), the epoch's partial sums, the history, and per rank the
