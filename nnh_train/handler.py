@@ -1,16 +1,17 @@
 """``NNHandler``: a small DDP training loop that keeps ranks in step and resumes exactly.
 
 Design. Each optimizer step has one collective: an ``all_gather`` of a short row per rank (the
-step's loss, its sample count without pads, each metric, and a "signal received" flag), started
-before the last backward and waited for before the optimizer step, so its latency overlaps the
-backward. From the same gathered rows every rank decides the same things the same way: a non-finite loss on
-any rank stops every rank before the optimizer step, with an error naming the ranks, the step and
-the values; a SIGUSR1/SIGTERM on any rank (the signal handler only sets a flag) makes every rank
-save the same checkpoint at the same step and exit with :data:`PREEMPTED_EXIT_CODE`; and the
-history is summed in rank order from those rows, so it is identical on every rank, and so are the
-callbacks' decisions that read it. The cost is that one small collective per step (measured
-against a bare loop in ``tools/bench/trainer.py``); a NaN check or a preemption flag that ranks
-must agree on cannot be had for less.
+loss trained on, the step's sample count without pads, the loss and metrics over those samples,
+and a "signal received" flag), started before the last backward and waited for before the
+optimizer step, so its latency overlaps the backward. From the same gathered rows every rank
+decides the same things the same way: a non-finite loss on any rank stops every rank before the
+optimizer step, with an error naming the ranks, the step and the values; a SIGUSR1/SIGTERM on any
+rank (the signal handler only sets a flag) makes every rank save the same checkpoint at the same
+step and exit with :data:`PREEMPTED_EXIT_CODE`; and the history is summed in rank order from those
+rows, so it is identical on every rank, and so are the callbacks' decisions that read it. The cost
+is that one small collective per step (measured against a bare loop in
+``tools/bench/trainer.py``); a NaN check or a preemption flag that ranks must agree on cannot be
+had for less.
 
 Resume. A checkpoint holds the unwrapped model, optimizer, scheduler, scaler, the position (epoch,
 batches done in it, optimizer steps), the epoch's partial sums, the history, and per rank the
@@ -22,8 +23,9 @@ With the same world size the rest of the run is bitwise the same on CPU.
 Batches. ``(inputs, target, ...)`` sequences call ``model(inputs)`` and ``loss_fn(output,
 target)``; dicts (streaming samples) and single tensors are passed whole to both. Samples flagged
 as pads (``__pad__``, the repeats of ``DistributedSampler`` and of the rank-cached loader) are
-left out of the counts, and out of the forward pass in evaluation, so an epoch's figures equal
-those of one process on the same data.
+trained on (every rank takes the same steps) but left out of the epoch's loss and metrics (their
+batch's figures are computed again without them), so an epoch's figures equal those of one
+process on the same data.
 """
 
 from __future__ import annotations
@@ -400,12 +402,12 @@ class NNHandler:
         self, group: list[tuple[Any, int, torch.Tensor | None]]
     ) -> Callable[[], list[list[float]]]:
         """Forward and backward over the group's batches, each weighted by its share of the
-        group's samples. The rows (mean loss, real samples, metrics, signal flag) are exchanged
-        while the last backward runs, so the collective's latency hides behind it; the result
-        waits for them."""
+        group's samples. The rows (the loss trained on, real samples, loss and metrics over
+        them, signal flag) are exchanged while the last backward runs, so the collective's
+        latency hides behind it; the result waits for them."""
         total = sum(size for _, size, _ in group)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        metric_sums = torch.zeros(len(self.metrics), dtype=torch.float64, device=self.device)
+        trained = torch.zeros((), dtype=torch.float64, device=self.device)
+        sums = torch.zeros(1 + len(self.metrics), dtype=torch.float64, device=self.device)
         real = 0
         for i, (batch, size, pads) in enumerate(group):
             inputs, target = _split(_to_device(batch, self.device))
@@ -414,18 +416,30 @@ class NNHandler:
                 with self._autocast():
                     output = self._forward(inputs)
                     loss = self.loss_fn(output, target)
-                loss_sum += loss.detach().double() * size
-                metric_sums += self._metric_values(output, target) * size
-                real += size - (0 if pads is None else int(pads.sum()))
+                trained += loss.detach().double() * (size / total)
+                count = size if pads is None else size - int(pads.sum())
+                if count:
+                    sums += self._figures(loss, output, target, pads) * count
+                real += count
                 if last:
-                    rows = self._gather(self._row(loss_sum / total, real, metric_sums / total))
+                    rows = self._gather(self._row(trained, real, sums / max(real, 1)))
                 self._backward(loss * (size / total))
         return rows
 
-    def _row(self, loss: torch.Tensor, real: int, metrics: torch.Tensor) -> torch.Tensor:
+    def _figures(
+        self, loss: torch.Tensor, output: Any, target: Any, pads: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The batch's loss and metrics over its real samples (pads left out), as float64."""
+        if pads is not None:
+            output, target = _select(_detached(output), ~pads), _select(target, ~pads)
+            with torch.no_grad(), self._autocast():
+                loss = self.loss_fn(output, target)
+        return torch.cat([loss.detach().double()[None], self._metric_values(output, target)])
+
+    def _row(self, trained: torch.Tensor, real: int, figures: torch.Tensor) -> torch.Tensor:
         count = torch.tensor([real], dtype=torch.float64, device=self.device)
         flag = torch.tensor([self._signal is not None], dtype=torch.float64, device=self.device)
-        return torch.cat([loss[None], count, metrics, flag])
+        return torch.cat([trained[None], count, figures, flag])
 
     def _backward(self, loss: torch.Tensor) -> None:
         (loss if self._scaler is None else self._scaler.scale(loss)).backward()
@@ -475,8 +489,8 @@ class NNHandler:
 
     def _account(self, rows: list[list[float]], batches: int) -> None:
         """Add the step's rows to the epoch's sums, in rank order (the same on every rank)."""
-        step = [0.0] * (len(rows[0]) - 1)  # loss x count, count, metric x count
-        for loss, count, *metrics, _ in rows:
+        step = [0.0] * (len(rows[0]) - 2)  # loss x count, count, metric x count
+        for _, count, loss, *metrics, _ in rows:
             for k, value in enumerate([loss * count, count, *(m * count for m in metrics)]):
                 step[k] += value
         self._sums = [a + b for a, b in zip_longest(self._sums, step, fillvalue=0.0)]

@@ -113,8 +113,22 @@ def _stream(rank: int, world_size: int, folder: str, urls: list[str]) -> list:
     return seen
 
 
+def _frozen(rank: int, world_size: int) -> dict:
+    """Epoch figures of a model that does not change (lr 0), over 47 training and 11 validation
+    samples: both need pads on one rank, from DistributedSampler or from the rank cache."""
+    figures = {}
+    for cache in (False, True):
+        h = make(batch_size=4, train_size=47, lr=0.0)
+        h.set_train_loader(data(47), batch_size=4, cache=cache, num_workers=0)
+        h.set_val_loader(data(11, seed=1), batch_size=4, cache=cache, num_workers=0)
+        h.train(1)
+        figures[cache] = (h.train_losses[0], h.val_losses[0])
+    return figures
+
+
 def _scenarios(rank: int, world_size: int, folder: str, urls: list[str]) -> dict:
     return {
+        "frozen": _frozen(rank, world_size),
         "stream": _stream(rank, world_size, folder, urls),
         "history": _history(rank, world_size),
         "fp16": _fp16(rank, world_size),
@@ -255,3 +269,15 @@ def test_stream_checkpoint_resumes_with_another_world_size(reports, folder, urls
         alone.train(1, resume=os.path.join(folder, "stream.pt"))
     real = sorted(index for index, pad in seen + rest if not pad)
     assert real == list(range(STREAM))  # the rest of the epoch, each sample once
+
+
+@pytest.mark.timeout(200)
+def test_epoch_figures_leave_out_pads_of_both_loaders(reports):
+    torch.manual_seed(0)
+    model = Net(dropout=0.0)  # the weights make() starts from
+    with torch.no_grad():
+        expected = [nn.functional.mse_loss(model(x), y).item()
+                    for x, y in (data(47).tensors, data(11, seed=1).tensors)]  # fmt: skip
+    for report in reports:
+        for cache, figures in report["frozen"].items():
+            assert figures == pytest.approx(expected, rel=1e-6), f"cache={cache}"
