@@ -361,13 +361,13 @@ def _write_file(path: Path, spec: PrecomputeSpec, tables: Iterable[pa.Table]) ->
 
 def _commit(directory: Path, spec: PrecomputeSpec, index: int, temporary: Path) -> None:
     """Check that lookups can view the written file, rename it, then write its receipt."""
-    path = directory / spec.file_name(index)
-    column_views(map_file(str(temporary)), _VALUE_COLUMNS, str(path))
+    path, data = directory / spec.file_name(index), map_file(str(temporary))
+    column_views(data, _VALUE_COLUMNS, str(path))
     receipt = {
         "name": path.name,
         "rows": len(spec.file_rows(index)),
-        "bytes": temporary.stat().st_size,
-        "sha256": _sha256(temporary),
+        "bytes": data.size,
+        "sha256": hashlib.sha256(data).hexdigest(),
     }
     os.replace(temporary, path)
     _replace(directory / _DONE / f"{path.name}.json", _dumps(receipt))
@@ -748,7 +748,7 @@ def _verify_file(directory: Path, spec: PrecomputeSpec, index: int, receipt: dic
         expected = spec.generate(range(start + row, start + row + table.num_rows))
         _compare(path.name, row, expected, table)
         row += table.num_rows
-    digest = _sha256(path)
+    digest = hashlib.sha256(map_file(str(path))).hexdigest()
     if digest != receipt["sha256"]:
         raise ValueError(
             f"{path.name}: sha256 {digest} ({path.stat().st_size} bytes) differs from the "
@@ -776,11 +776,3 @@ def _compare(name: str, first_row: int, expected: dict[str, np.ndarray], table: 
                 f"{name} row {first_row + i} column {column}: expected "
                 f"{want[i]}, found {got[i]}{hint}"
             )
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while block := file.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
