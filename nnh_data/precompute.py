@@ -76,7 +76,7 @@ FORMAT = "nnh-precompute"
 _SPEC_NAME = "_table.json"  # the description, written by the first task: later tasks compare
 _DONE = "_done"  # receipts
 _VALUE_COLUMNS = (*PARAM_NAMES, "seed")
-_OPEN_FILES = 64  # memory maps a lookup keeps (each holds a file descriptor)
+_OPEN_FILES = 64  # files a lookup keeps mapped (no descriptor stays open; mappings are capped)
 
 
 @functools.cache
