@@ -48,7 +48,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from matplotlib.figure import Figure
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
@@ -783,18 +782,15 @@ class NNHandler:
     def plot_losses(self, path: str | os.PathLike) -> None:
         """Training and validation loss per epoch, as a PNG at ``path`` (rank 0 writes)."""
         if self.rank == 0:
-            figure = Figure(figsize=(6, 4))
-            _plot(figure.subplots(), "loss", self.train_losses, self.val_losses, self.val_epochs)
-            figure.savefig(path)
+            _save_plot(path, [("loss", self.train_losses, self.val_losses)], self.val_epochs)
 
     def plot_metrics(self, path: str | os.PathLike) -> None:
         """One panel per metric, training and validation per epoch, as a PNG (rank 0 writes)."""
-        if self.rank != 0 or not self.metrics:
-            return
-        figure = Figure(figsize=(6, 3 * len(self.metrics)))
-        for axes, name in zip(np.atleast_1d(figure.subplots(len(self.metrics), 1)), self.metrics):
-            _plot(axes, name, self.train_metrics[name], self.val_metrics[name], self.val_epochs)
-        figure.savefig(path)
+        if self.rank == 0 and self.metrics:
+            panels = [
+                (name, self.train_metrics[name], self.val_metrics[name]) for name in self.metrics
+            ]
+            _save_plot(path, panels, self.val_epochs)
 
     # ------------------------------------------------------------------ helpers
 
@@ -1016,15 +1012,20 @@ def _describe(logs: Mapping[str, Any], epochs: int) -> str:
     return f"epoch {logs['epoch']}/{epochs}: {figures}{tail}"
 
 
-def _plot(
-    axes: Any, name: str, train: list[float], val: list[float], val_epochs: list[int]
-) -> None:
-    axes.plot(range(1, len(train) + 1), train, marker="o", label=f"train {name}")
-    if val:
-        axes.plot(val_epochs, val, marker="o", label=f"val {name}")
-    axes.set_xlabel("epoch")
-    axes.set_ylabel(name)
-    axes.legend()
+def _save_plot(path: str | os.PathLike, panels: list[tuple], val_epochs: list[int]) -> None:
+    """A PNG with one panel per ``(name, train values, val values)``. matplotlib is imported
+    here, not with nnh_train: it takes a quarter of a second, on every rank."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6, 3 * len(panels)))
+    for axes, (name, train, val) in zip(np.atleast_1d(figure.subplots(len(panels), 1)), panels):
+        axes.plot(range(1, len(train) + 1), train, marker="o", label=f"train {name}")
+        if val:
+            axes.plot(val_epochs, val, marker="o", label=f"val {name}")
+        axes.set_xlabel("epoch")
+        axes.set_ylabel(name)
+        axes.legend()
+    figure.savefig(path)
 
 
 def _requeue() -> None:
