@@ -126,8 +126,21 @@ def _frozen(rank: int, world_size: int) -> dict:
     return figures
 
 
+def _unused_parameters_flag(rank: int, world_size: int) -> dict:
+    found = {}
+    for value in ("1", "no", "maybe"):
+        os.environ["DDP_FIND_UNUSED_PARAMETERS"] = value
+        try:
+            found[value] = NNHandler(nn.Linear(2, 1), device="cpu").model.find_unused_parameters
+        except ValueError as exc:
+            found[value] = str(exc)
+    del os.environ["DDP_FIND_UNUSED_PARAMETERS"]
+    return found
+
+
 def _scenarios(rank: int, world_size: int, folder: str, urls: list[str]) -> dict:
     return {
+        "unused": _unused_parameters_flag(rank, world_size),
         "frozen": _frozen(rank, world_size),
         "stream": _stream(rank, world_size, folder, urls),
         "history": _history(rank, world_size),
@@ -281,3 +294,13 @@ def test_epoch_figures_leave_out_pads_of_both_loaders(reports):
     for report in reports:
         for cache, figures in report["frozen"].items():
             assert figures == pytest.approx(expected, rel=1e-6), f"cache={cache}"
+
+
+@pytest.mark.timeout(200)
+def test_find_unused_parameters_from_the_environment(reports):
+    found = reports[0]["unused"]
+    assert found["1"] is True and found["no"] is False
+    assert (
+        "DDP_FIND_UNUSED_PARAMETERS must be one of" in found["maybe"]
+        and "'maybe'" in found["maybe"]
+    )
