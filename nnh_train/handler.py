@@ -401,13 +401,10 @@ class NNHandler:
         self, group: list[tuple[Any, int, torch.Tensor | None]]
     ) -> Callable[[], list[list[float]]]:
         """Forward and backward over the group's batches, each weighted by its share of the
-        group's samples. The rows (the loss trained on, real samples, loss and metrics over
-        them, signal flag) are exchanged while the last backward runs, so the collective's
-        latency hides behind it; the result waits for them."""
+        group's samples. The rows (see :meth:`_row`) are exchanged while the last backward
+        runs, so the collective's latency hides behind it; the result waits for them."""
         total = sum(size for _, size, _ in group)
-        trained = torch.zeros((), dtype=torch.float64, device=self.device)
-        sums = torch.zeros(1 + len(self.metrics), dtype=torch.float64, device=self.device)
-        real = 0
+        trained, figures, real = [], [], 0
         for i, (batch, size, pads) in enumerate(group):
             inputs, target = _split(_to_device(batch, self.device))
             last = i == len(group) - 1
@@ -415,13 +412,13 @@ class NNHandler:
                 with self._autocast():
                     output = self._forward(inputs)
                     loss = self.loss_fn(output, target)
-                trained += loss.detach().double() * (size / total)
+                trained.append(loss.detach() * (size / total))
                 count = size if pads is None else size - int(pads.sum())
                 if count:
-                    sums += self._figures(loss, output, target, pads) * count
+                    figures.append(self._figures(loss, output, target, pads) * count)
                 real += count
                 if last:
-                    rows = self._gather(self._row(trained, real, sums / max(real, 1)))
+                    rows = self._gather(self._row(trained, figures, real))
                 self._backward(loss * (size / total))
         return rows
 
@@ -433,12 +430,22 @@ class NNHandler:
             output, target = _select(_detached(output), ~pads), _select(target, ~pads)
             with torch.no_grad(), self._autocast():
                 loss = self.loss_fn(output, target)
-        return torch.cat([loss.detach().double()[None], self._metric_values(output, target)])
+        loss = loss.detach().double().reshape(1)
+        return torch.cat([loss, self._metric_values(output, target)]) if self.metrics else loss
 
-    def _row(self, trained: torch.Tensor, real: int, figures: torch.Tensor) -> torch.Tensor:
-        count = torch.tensor([real], dtype=torch.float64, device=self.device)
-        flag = torch.tensor([self._signal is not None], dtype=torch.float64, device=self.device)
-        return torch.cat([trained[None], count, figures, flag])
+    def _row(
+        self, trained: list[torch.Tensor], figures: list[torch.Tensor], real: int
+    ) -> torch.Tensor:
+        """This rank's row: [loss trained on, loss and metrics over the real samples, real
+        sample count, signal flag], float64 on the device."""
+        means = sum(figures[1:], figures[0]) / real if real else self._zeros(1 + len(self.metrics))
+        tail = torch.tensor(
+            [real, self._signal is not None], dtype=torch.float64, device=self.device
+        )
+        return torch.cat([sum(trained[1:], trained[0]).double().reshape(1), means, tail])
+
+    def _zeros(self, size: int) -> torch.Tensor:
+        return torch.zeros(size, dtype=torch.float64, device=self.device)
 
     def _backward(self, loss: torch.Tensor) -> None:
         (loss if self._scaler is None else self._scaler.scale(loss)).backward()
@@ -449,7 +456,7 @@ class NNHandler:
             values = [fn(_detached(output), target) for fn in self.metrics.values()]
         as_tensors = [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(())
                       for v in values]  # fmt: skip
-        return torch.stack(as_tensors) if as_tensors else torch.zeros(0, device=self.device)
+        return torch.stack(as_tensors) if as_tensors else self._zeros(0)
 
     def _gather(self, row: torch.Tensor) -> Callable[[], list[list[float]]]:
         """Start the step's one collective; the result waits for every rank's ``row``, in rank
@@ -489,7 +496,7 @@ class NNHandler:
     def _account(self, rows: list[list[float]], batches: int) -> None:
         """Add the step's rows to the epoch's sums, in rank order (the same on every rank)."""
         step = [0.0] * (len(rows[0]) - 2)  # loss x count, count, metric x count
-        for _, count, loss, *metrics, _ in rows:
+        for _, loss, *metrics, count, _ in rows:
             for k, value in enumerate([loss * count, count, *(m * count for m in metrics)]):
                 step[k] += value
         self._sums = [a + b for a, b in zip_longest(self._sums, step, fillvalue=0.0)]
@@ -524,7 +531,7 @@ class NNHandler:
 
     def _evaluate(self, loader: DataLoader) -> torch.Tensor:
         """This rank's [loss x count, count, metric x count...] over ``loader``, pads left out."""
-        sums = torch.zeros(2 + len(self.metrics), dtype=torch.float64, device=self.device)
+        sums = self._zeros(2 + len(self.metrics))
         _set_epoch(loader, self.epoch)
         with torch.no_grad(), _eval_mode(self.module):
             for batch, size, pads in _counted(iter(loader), _pad_flags(loader), 0):
@@ -874,15 +881,16 @@ def _epoch_ids(loader: DataLoader) -> np.ndarray | None:
 
 
 def _pad_flags(loader: DataLoader) -> np.ndarray | None:
-    """True for the repeats in this rank's epoch order: a ``DistributedSampler`` appends them
-    (positions past the dataset, then split rank::world), the rank cache flags them."""
-    sampler = loader.sampler
+    """True for the repeats in this rank's epoch order (None when there are none): a
+    ``DistributedSampler`` appends them (positions past the dataset, then split rank::world),
+    the rank cache flags them."""
+    sampler, flags = loader.sampler, None
     if isinstance(loader.dataset, RankCache):
-        return loader.dataset.pads[np.fromiter(sampler, dtype=np.int64)]
-    if isinstance(sampler, DistributedSampler) and not sampler.drop_last:
+        flags = loader.dataset.pads[np.fromiter(sampler, dtype=np.int64)]
+    elif isinstance(sampler, DistributedSampler) and not sampler.drop_last:
         real = len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
-        return np.arange(len(sampler)) >= real
-    return None
+        flags = np.arange(len(sampler)) >= real
+    return flags if flags is not None and flags.any() else None
 
 
 def _batch_ids(batch: Any, order: np.ndarray | None, start: int, size: int) -> torch.Tensor:
