@@ -15,6 +15,7 @@ sample, so the sidecar of 10,000 shards loads in milliseconds and is decoded per
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import posixpath
 import uuid
@@ -139,6 +140,12 @@ class ShardIndex:
     def total_samples(self) -> int:
         """The number of samples in all shards."""
         return sum(info.num_samples for info in self.shards)
+
+    def fingerprint(self) -> str:
+        """A short hash of what defines the sample order and ids: each shard's file name and
+        sample count, in order (not the folder, so a copied data set keeps it)."""
+        names = [(info.url.rsplit("/", 1)[-1], info.num_samples) for info in self.shards]
+        return hashlib.sha256(json.dumps(names).encode()).hexdigest()[:16]
 
     def offsets(self) -> np.ndarray:
         """Cumulative sample counts (int64, ``len(shards) + 1``): shard i holds global ids

@@ -301,8 +301,7 @@ def fetch_shard_range(
         raise ShardError(info.url, _tar_position(info, low), f"unreadable ({exc})") from exc
     if len(data) < end - low:
         position = _tar_position(info, low + len(data))
-        reason = "truncated tar: the shard ends before its indexed end"
-        raise StaleIndexError(info.url, position, reason)
+        raise ShardError(info.url, position, "truncated tar (unexpected end of file)")
     return data
 
 

@@ -28,6 +28,7 @@ by a worker's state until the loader yields the batch that holds them.
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,11 +36,12 @@ from itertools import chain
 from typing import Any
 
 import numpy as np
+import torch
 from fsspec.utils import get_protocol
 from torch.utils.data import IterableDataset
 
 from nnh_data import batching
-from nnh_data.augment import AugmentationConfig, _rows, gen_augmentation_params_batch
+from nnh_data.augment import AugmentationConfig, gen_augmentation_params_batch
 from nnh_data.batching import Columns
 from nnh_data.checks import check_choice, check_int
 from nnh_data.order import (
@@ -52,18 +54,22 @@ from nnh_data.order import (
     remaining,
     worker_plan,
 )
+from nnh_data.precompute import PrecomputedParams, load_precomputed_params
 from nnh_data.readahead import read_ahead
+from nnh_data.seeding import MASK64
 from nnh_data.shards import (
     ShardError,
     ShardIndex,
+    StaleIndexError,
     build_shard_index,
     decode_shard_columns,
     decode_shard_range,
+    decode_tar_each,
     fetch_shard_range,
     forget_open_files,
     split_shard_range,
 )
-from nnh_data.topology import dist_info, worker_info
+from nnh_data.topology import dist_info, in_worker_process, worker_info
 
 __all__ = ["ShardedStreamingDataset", "merge_states", "state_from_loader"]
 
@@ -75,8 +81,13 @@ _ON_ERROR = ("raise", "skip")
 _LOCAL_PROTOCOLS = ("file", "local", "memory")
 _REMOTE_READAHEAD = 2
 _LAYOUT_KEYS = (
-    "version", "epoch", "seed", "total", "window", "uneven", "base", "world_size", "batch_size"
+    "version", "epoch", "seed", "total", "window", "uneven", "base", "world_size", "batch_size",
+    "unit", "shards",
 )  # fmt: skip
+_SHARDS_HINT = (
+    " (a fingerprint of the shard names and sample counts, which define the order and the "
+    "ids): resume with the same shards, in the same order, with the same contents"
+)
 _SKIPPED = "__skipped__"  # column of the rows of unreadable blocks, in batch mode
 
 
@@ -166,6 +177,7 @@ class ShardedStreamingDataset(IterableDataset):
         storage_options: dict[str, Any] | None = None,
         index_path: str | None = None,
         batch_size: int | None = None,
+        precomputed: str | PrecomputedParams | None = None,
     ) -> None:
         self.on_error = check_choice("on_error", on_error, _ON_ERROR)
         if isinstance(source, ShardIndex):
@@ -179,8 +191,8 @@ class ShardedStreamingDataset(IterableDataset):
                 on_error=on_error,
             )
         self.rank, self.world_size = dist_info(rank, world_size)
-        self.seed = check_int("seed", seed, low=0)
-        self.epoch = check_int("epoch", epoch, low=0)
+        self.seed = check_int("seed", seed, low=0, high=MASK64)
+        epoch = check_int("epoch", epoch, low=0, high=MASK64)
         self.window = check_int("shuffle_window", shuffle_window, low=1) if shuffle else 0
         if readahead is None:
             readahead = 0 if _is_local(self.index) else _REMOTE_READAHEAD
@@ -196,12 +208,26 @@ class ShardedStreamingDataset(IterableDataset):
         self.rank_aware_params = bool(rank_aware_params)
         self.decode = decode
         self.storage_options = storage_options
-        self.error_counts: dict[str, int] = {}
         self._counts = tuple(info.num_samples for info in self.index.shards)
         self._starts = np.concatenate(([0], np.cumsum(self._counts, dtype=np.int64)))
+        self._nullable = sorted({name for info in self.index.shards for name in info.nullable})
+        self._fingerprint = self.index.fingerprint()
+        self._shard_number = {info.url: i for i, info in enumerate(self.index.shards)}
+        # Shared with DataLoader workers (fork and spawn pass shared-memory tensors by handle):
+        # the epoch, a flag set while workers iterate, and the samples skipped per shard.
+        self._shared = torch.zeros(2 + len(self._counts), dtype=torch.int64).share_memory_()
+        self._shared[0] = epoch
+        self._warned: set[str] = set()
+        self._loader_batch = 1
         self._order: EpochOrder | None = None
         self._pending: dict | None = None
         self._pass: _Pass | None = None
+        if isinstance(precomputed, (str, os.PathLike)):
+            precomputed = load_precomputed_params(precomputed)
+        self._precomputed = precomputed
+        if precomputed is not None:
+            precomputed.check_covers(*self._precomputed_settings())
+        self._param_columns(np.zeros(0, np.int64))  # validates the parameter settings now
 
     # ------------------------------------------------------------------ epoch, length, state
 
@@ -210,12 +236,41 @@ class ShardedStreamingDataset(IterableDataset):
         """Samples in one epoch over all ranks (pads not counted)."""
         return self.index.total_samples
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next pass iterates (shared with the DataLoader workers)."""
+        return int(self._shared[0])
+
+    @property
+    def error_counts(self) -> dict[str, int]:
+        """Samples skipped as unreadable per shard URL, by this process and its DataLoader
+        workers (``on_error="skip"``)."""
+        counts = self._shared[2:].tolist()
+        return {info.url: n for info, n in zip(self.index.shards, counts) if n}
+
     def set_epoch(self, epoch: int) -> None:
-        """Iterate epoch ``epoch`` next; a new epoch starts from its beginning (a resume state
-        loaded for this same epoch is kept)."""
-        epoch = check_int("epoch", epoch, low=0)
+        """Iterate epoch ``epoch`` next, also in persistent DataLoader workers; a new epoch
+        starts from its beginning (a resume state loaded for this same epoch is kept)."""
+        epoch = check_int("epoch", epoch, low=0, high=MASK64)
         if epoch != self.epoch:
-            self.epoch, self._pending, self._pass = epoch, None, None
+            self._shared[0] = epoch
+            self._pending, self._pass = None, None
+
+    def set_loader_batch_size(self, batch_size: int) -> None:
+        """Cut worker ranges in whole batches of the loader's ``batch_size`` (per-sample mode),
+        so a DataLoader with workers yields exactly ``ceil(len(ds) / batch_size)`` batches
+        with at most one short batch per rank. :func:`streaming_loader` calls it."""
+        if self.batch_size is not None:
+            raise ValueError(
+                "set_loader_batch_size is for per-sample mode; this dataset yields batches of "
+                f"batch_size={self.batch_size} already"
+            )
+        self._loader_batch = check_int("batch_size", batch_size, low=1)
+
+    @property
+    def _unit(self) -> int:
+        """Items per loader batch: worker ranges are cut in multiples of it."""
+        return self.batch_size or self._loader_batch
 
     def __len__(self) -> int:
         """Samples (batches, with ``batch_size``) this rank yields in the next pass, over all
@@ -233,9 +288,20 @@ class ShardedStreamingDataset(IterableDataset):
         return length if self.batch_size is None else -(-length // self.batch_size)
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-safe progress of this epoch (see the module docstring)."""
+        """JSON-safe progress of this epoch (see the module docstring).
+
+        Raises ``RuntimeError`` in the main process after DataLoader workers iterated this
+        dataset: their progress is not visible here, so the state would replay the epoch.
+        """
         if self._pending is not None:
             return copy.deepcopy(self._pending)
+        if int(self._shared[1]) and not in_worker_process():
+            raise RuntimeError(
+                "DataLoader workers iterated this dataset, and the dataset object in the main "
+                "process does not see their progress: take the state from the loader instead, "
+                "`loader.state_dict()` of torchdata's StatefulDataLoader (what "
+                "nnh_data.streaming_loader returns), and resume with loader.load_state_dict()"
+            )
         run = self._pass
         if run is None or run.epoch != self.epoch:
             run = _Pass(self.epoch, [(0, self.total_samples)], self.world_size, 1, 0, 0)
@@ -252,6 +318,8 @@ class ShardedStreamingDataset(IterableDataset):
             "world_size": run.world_size,
             "num_workers": run.num_workers,
             "batch_size": self.batch_size,
+            "unit": self._unit,
+            "shards": self._fingerprint,
             "consumed": consumed,
         }
 
@@ -259,11 +327,17 @@ class ShardedStreamingDataset(IterableDataset):
         """Resume from ``state_dict()`` output: the next pass yields the rest of that epoch."""
         state = _checked_state(state)
         mine = {"seed": self.seed, "total": self.total_samples, "window": self.window,
-                "uneven": self.uneven}  # fmt: skip
+                "uneven": self.uneven, "shards": self._fingerprint}  # fmt: skip
         for key, value in mine.items():
-            if state[key] != value:
-                raise ValueError(f"state[{key!r}] is {state[key]!r} but this dataset has {value!r}")
-        self.epoch, self._pending, self._pass = state["epoch"], state, None
+            if key == "shards" and state[key] is None:
+                warnings.warn("state has no shard fingerprint: not checked", stacklevel=2)
+            elif state[key] != value:
+                raise ValueError(
+                    f"state[{key!r}] is {state[key]!r} but this dataset has {value!r}"
+                    + (_SHARDS_HINT if key == "shards" else "")
+                )
+        self._shared[0], self._shared[1] = state["epoch"], 0
+        self._pending, self._pass = state, None
 
     def _next_base(self, state: dict | None) -> Intervals:
         """Positions a pass walks after a state with every worker's count (or from scratch)."""
@@ -271,24 +345,26 @@ class ShardedStreamingDataset(IterableDataset):
             return [(0, self.total_samples)]
         base = [tuple(i) for i in state["base"]]
         layout = (state["world_size"], state["num_workers"], self.uneven)
-        return remaining(base, *layout, state["consumed"], state["batch_size"] or 1)
+        return remaining(base, *layout, state["consumed"], state["unit"])
 
     def _start_pass(self, worker: int, num_workers: int) -> _Pass:
         """The pass of this worker: the pending state (if any) resolved, then forgotten."""
         state, self._pending = self._pending, None
+        if state is not None and state["epoch"] != self.epoch:
+            state = None  # set_epoch moved on (seen by a persistent worker)
         if state is None or None not in state["consumed"]:
             return _Pass(
                 self.epoch, self._next_base(state), self.world_size, num_workers, worker, 0
             )
-        layout = (state["world_size"], state["num_workers"], state["batch_size"])
-        if layout != (self.world_size, num_workers, self.batch_size) or (
+        layout = (state["world_size"], state["num_workers"], state["unit"])
+        if layout != (self.world_size, num_workers, self._unit) or (
             state["consumed"][worker] is None
         ):
             raise ValueError(
                 "this state holds the progress of one DataLoader worker of world_size="
                 f"{layout[0]}, num_workers={layout[1]}, batch_size={layout[2]}; it cannot resume "
                 f"worker {worker} of world_size={self.world_size}, num_workers={num_workers}, "
-                f"batch_size={self.batch_size}: merge the workers' states with merge_states() "
+                f"batch_size={self._unit}: merge the workers' states with merge_states() "
                 "or state_from_loader() to change the layout"
             )
         base = [tuple(i) for i in state["base"]]
@@ -301,10 +377,13 @@ class ShardedStreamingDataset(IterableDataset):
         # Resolved here, not in the generator: StatefulDataLoader snapshots the state right
         # after iter(), before the first sample is requested.
         worker, num_workers = worker_info()
+        self._shared[1] = int(in_worker_process())
         forget_open_files()
         run = self._pass = self._start_pass(worker, num_workers)
         layout = (run.base, run.world_size, self.rank, num_workers, worker, self.uneven)
-        plan = worker_plan(*layout, run.consumed, self.batch_size or 1)
+        plan = worker_plan(*layout, run.consumed, self._unit)
+        if self._precomputed is not None:
+            self._precomputed.check_covers(*self._precomputed_settings())
         if self._order is None or self._order.epoch != self.epoch:
             self._order = EpochOrder(self._counts, self.seed, self.epoch, self.window)
         walk = self._samples if self.batch_size is None else self._batches
@@ -322,7 +401,7 @@ class ShardedStreamingDataset(IterableDataset):
     def _samples(self, order: EpochOrder, run: _Pass, positions: Intervals, pads: list[int]):
         blocks = read_ahead(self._fetch, self._blocks(order, positions), self.readahead)
         cursor = _Cursor(((b[3], self._decoded(b, payload)) for b, payload in blocks), len)
-        decode = self.decode
+        decoded = self._decoded_sample
         for taken, concat in self._taken(order, cursor, positions):
             stack = _picked(taken, (concat - concat.min()).tolist())
             del taken  # the stack holds the samples now, and lets go of each as it is handed out
@@ -333,13 +412,39 @@ class ShardedStreamingDataset(IterableDataset):
                     continue
                 sample["__index__"] = gid
                 sample["__aug__"] = aug
-                yield sample if decode is None else decode(sample)
+                if decoded is None:
+                    yield sample
+                elif (sample := decoded(sample)) is not _DONE:
+                    yield sample
         run.start_window([])
         for position in pads:
             sample = self._pad(order, position)
             run.consumed += 1
-            if sample is not None:
-                yield sample if decode is None else decode(sample)
+            if sample is not None and decoded is not None:
+                sample = decoded(sample)
+            if sample is not None and sample is not _DONE:
+                yield sample
+
+    @property
+    def _decoded_sample(self) -> Callable[[Any], Any] | None:
+        """``decode`` with its errors named by shard and key (skipped: ``_DONE``), or None."""
+        if self.decode is None:
+            return None
+
+        def decoded(item: Any) -> Any:
+            try:
+                return self.decode(item)
+            except Exception as exc:
+                shards, keys = item["__shard__"], item["__key__"]
+                url, key = (shards, keys) if isinstance(keys, str) else (shards[0], keys[0])
+                error = ShardError(url, f"sample {key!r}", f"decode raised {exc!r}")
+                if self.on_error == "raise":
+                    raise error from exc
+                count = 1 if isinstance(keys, str) else len(keys)
+                self._skip(self._shard_number[url], error, count)
+                return _DONE
+
+        return decoded
 
     def _pad(self, order: EpochOrder, position: int) -> dict | None:
         block = _pad_block(order, position)
@@ -391,7 +496,11 @@ class ShardedStreamingDataset(IterableDataset):
             if not keep:
                 return None
             batch = batching.take(batch, np.array(keep, dtype=np.int64))
-        return batch if self.decode is None else self.decode(batch)
+        decoded = self._decoded_sample
+        if decoded is None:
+            return batch
+        batch = decoded(batch)
+        return None if batch is _DONE else batch
 
     def _columns(self, block: tuple[int, int, int, int], payload: object) -> Columns:
         """The samples of a block as columns, metadata set (``_SKIPPED`` if unreadable)."""
@@ -402,7 +511,7 @@ class ShardedStreamingDataset(IterableDataset):
                 raise payload
             cols = decode_shard_columns(info, payload, start, stop)
         except ShardError as exc:
-            self._skip(info.url, exc, stop - start)
+            self._skip(shard, exc, stop - start)
             cols = {_SKIPPED: [True] * (stop - start)}
         cols["__shard__"] = [info.url] * (stop - start)
         cols["__index__"] = np.arange(start, stop, dtype=np.int64) + self._starts[shard]
@@ -417,16 +526,32 @@ class ShardedStreamingDataset(IterableDataset):
         return cols
 
     def _param_columns(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        if self.rank_aware_params:
-            where = {"rank": self.rank, "world_size": self.world_size, "rank_aware": True}
+        """The parameters of ``ids`` as columns, ``seed`` as int64 (its 64 bits, signed: what
+        tensors hold and ``apply_augmentation`` takes)."""
+        rank = self.rank if self.rank_aware_params else None
+        if self._precomputed is not None:
+            cols = self._precomputed.batch(ids, self.epoch, rank)
+        elif rank is None:
+            cols = gen_augmentation_params_batch(
+                ids, config=self.aug_config, base_seed=self.seed, epoch=self.epoch,
+                rank_aware=False,
+            )  # fmt: skip
         else:
-            where = {"rank_aware": False}
-        return gen_augmentation_params_batch(
-            ids, config=self.aug_config, base_seed=self.seed, epoch=self.epoch, **where
-        )
+            cols = gen_augmentation_params_batch(
+                ids, rank, self.world_size, self.aug_config, self.seed, self.epoch
+            )
+        cols["seed"] = cols["seed"].view(np.int64)
+        return cols
 
     def _params(self, ids: np.ndarray) -> Iterator[dict]:
-        return _rows(self._param_columns(ids))
+        """Per-sample ``__aug__`` dicts of ``ids`` (the values of :meth:`_param_columns`)."""
+        cols = self._param_columns(ids)
+        return iter(batching.rows_of(list(cols), [c.tolist() for c in cols.values()]))
+
+    def _precomputed_settings(self) -> tuple:
+        """What :meth:`PrecomputedParams.check_covers` checks for the next pass."""
+        return (self.aug_config, self.seed, self.epoch, self.total_samples,
+                self.rank_aware_params, self.world_size)  # fmt: skip
 
     def _blocks(
         self, order: EpochOrder, positions: Intervals
@@ -449,7 +574,9 @@ class ShardedStreamingDataset(IterableDataset):
         shard, start, stop, _ = block
         try:
             info = self.index.shards[shard]
-            return fetch_shard_range(info, start, stop, storage_options=self.storage_options)
+            return fetch_shard_range(
+                info, start, stop, storage_options=self.storage_options, nullable=self._nullable
+            )
         except ShardError as exc:
             return exc
 
@@ -458,23 +585,35 @@ class ShardedStreamingDataset(IterableDataset):
         ``__pad__`` set."""
         shard, start, stop, _ = block
         info = self.index.shards[shard]
-        samples: list[dict | None] = []
+        constants = {"__shard__": info.url, "__pad__": False}
         try:
             if isinstance(payload, ShardError):
                 raise payload
-            constants = {"__shard__": info.url, "__pad__": False}
-            samples.extend(decode_shard_range(info, payload, start, stop, constants))
+            return list(decode_shard_range(info, payload, start, stop, constants))
         except ShardError as exc:
-            self._skip(info.url, exc, stop - start - len(samples))
-        samples.extend([None] * (stop - start - len(samples)))
+            if not isinstance(payload, bytes) or isinstance(exc, StaleIndexError):
+                self._skip(shard, exc, stop - start)
+                return [None] * (stop - start)
+            if self.on_error == "raise":
+                raise
+        samples: list[dict | None] = []
+        for item in decode_tar_each(info, payload, start, stop):  # drop only the bad samples
+            if isinstance(item, ShardError):
+                self._skip(shard, item, 1)
+                samples.append(None)
+            else:
+                samples.append({**item, **constants})
         return samples
 
-    def _skip(self, url: str, exc: ShardError, count: int) -> None:
-        if self.on_error == "raise":
+    def _skip(self, shard: int, exc: ShardError, count: int) -> None:
+        """Count ``count`` samples of shard number ``shard`` as skipped, or raise ``exc``."""
+        if self.on_error == "raise" or isinstance(exc, StaleIndexError):
             raise exc
-        if url not in self.error_counts:
+        url = self.index.shards[shard].url
+        if url not in self._warned:
+            self._warned.add(url)
             warnings.warn(f"skipping unreadable samples: {exc}", stacklevel=2)
-        self.error_counts[url] = self.error_counts.get(url, 0) + count
+        self._shared[2 + shard] += count
 
 
 def _pad_block(order: EpochOrder, position: int) -> tuple[int, int, int, int]:
@@ -550,7 +689,9 @@ def _checked_state(state: Mapping[str, Any]) -> dict:
     if not isinstance(state, Mapping):
         raise ValueError(f"state must be a dict from state_dict(), got {type(state).__name__}")
     state = copy.deepcopy(dict(state))
-    state.setdefault("batch_size", None)  # states of per-sample passes may leave it out
+    state.setdefault("batch_size", None)  # states of older per-sample passes leave it out
+    state.setdefault("unit", state["batch_size"] or 1)
+    state.setdefault("shards", None)  # older states: no fingerprint to check
     missing = [k for k in (*_LAYOUT_KEYS, "num_workers", "consumed") if k not in state]
     if missing:
         raise ValueError(f"state must hold the keys of state_dict(); missing {missing}")

@@ -17,7 +17,7 @@ from torch.utils.data import get_worker_info
 
 from nnh_data.checks import check_int
 
-__all__ = ["dist_info", "dist_ready", "env_int", "worker_info"]
+__all__ = ["dist_info", "dist_ready", "env_int", "in_worker_process", "worker_info"]
 
 
 def dist_ready() -> bool:
@@ -80,3 +80,8 @@ def worker_info() -> tuple[int, int]:
         return check_int("environment variable WORKER", worker, high=num_workers - 1), num_workers
     info = get_worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+def in_worker_process() -> bool:
+    """True inside a DataLoader worker process (whatever ``WORKER`` says)."""
+    return get_worker_info() is not None

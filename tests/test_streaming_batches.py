@@ -37,7 +37,6 @@ def _rows(batch: dict) -> list[dict]:
     for i in range(n):
         row = {k: _plain(v[i]) for k, v in batch.items() if k != "__aug__"}
         aug = {k: _plain(v[i]) for k, v in batch["__aug__"].items()}
-        aug["seed"] = f"{aug['seed']:016x}"
         rows.append({**row, "__aug__": aug})
     return rows
 
@@ -167,7 +166,7 @@ def test_parquet_numeric_columns_come_as_numpy(tmp_path):
     assert batch["i"].dtype == np.int32 and batch["i"].tolist() == list(range(6))
     assert batch["b"].dtype == np.bool_ and batch["s"] == list("abcdef")
     assert batch["f"] == [0.5, None, 1.5, 2.0, 2.5, 3.0]  # nulls keep Python values
-    assert batch["__key__"] == [str(i) for i in range(6)]
+    assert batch["__key__"] == [f"t/{i}" for i in range(6)]
 
 
 def test_skip_drops_unreadable_rows_and_still_counts_them(tar_shards):
