@@ -31,11 +31,13 @@ from nnh_data.shards import (
     ShardError,
     ShardIndex,
     ShardInfo,
+    StaleIndexError,
     build_shard_index,
     expand_sources,
     iter_shard_samples,
 )
 from nnh_data.streaming import ShardedStreamingDataset, merge_states, state_from_loader
+from nnh_data.streaming_loader import streaming_loader
 from nnh_data.transforms import PADDING_MODES, AugmentModule, AugmentParams, apply_augmentation
 from nnh_data.writer import write_shards
 
@@ -55,6 +57,7 @@ __all__ = [
     "ShardIndex",
     "ShardInfo",
     "ShardedStreamingDataset",
+    "StaleIndexError",
     "apply_augmentation",
     "build_shard_index",
     "create_distributed_loader",
@@ -72,6 +75,7 @@ __all__ = [
     "rank_share",
     "state_from_loader",
     "stream_distributed_augmentation_chain",
+    "streaming_loader",
     "verify_precomputed_params",
     "write_precomputed_params",
     "write_shards",
