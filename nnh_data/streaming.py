@@ -409,6 +409,7 @@ class ShardedStreamingDataset(IterableDataset):
             ids = order.ids_at_concat(concat)
             for sample, gid, aug in zip(iter(stack.pop, _DONE), ids.tolist(), self._params(ids)):
                 if sample is None:
+                    self._count_skipped(int(np.searchsorted(self._starts, gid, "right")) - 1)
                     continue
                 sample["__index__"] = gid
                 sample["__aug__"] = aug
@@ -441,7 +442,8 @@ class ShardedStreamingDataset(IterableDataset):
                 if self.on_error == "raise":
                     raise error from exc
                 count = 1 if isinstance(keys, str) else len(keys)
-                self._skip(self._shard_number[url], error, count)
+                self._skip(error)
+                self._count_skipped(self._shard_number[url], count)
                 return _DONE
 
         return decoded
@@ -492,6 +494,9 @@ class ShardedStreamingDataset(IterableDataset):
         row was skipped."""
         skipped = batch.pop(_SKIPPED, None)
         if skipped is not None:
+            for flag, url in zip(skipped, batch["__shard__"]):
+                if flag:
+                    self._count_skipped(self._shard_number[url])
             keep = [i for i, flag in enumerate(skipped) if not flag]
             if not keep:
                 return None
@@ -511,7 +516,7 @@ class ShardedStreamingDataset(IterableDataset):
                 raise payload
             cols = decode_shard_columns(info, payload, start, stop)
         except ShardError as exc:
-            self._skip(shard, exc, stop - start)
+            self._skip(exc)
             cols = {_SKIPPED: [True] * (stop - start)}
         cols["__shard__"] = [info.url] * (stop - start)
         cols["__index__"] = np.arange(start, stop, dtype=np.int64) + self._starts[shard]
@@ -592,27 +597,30 @@ class ShardedStreamingDataset(IterableDataset):
             return list(decode_shard_range(info, payload, start, stop, constants))
         except ShardError as exc:
             if not isinstance(payload, bytes) or isinstance(exc, StaleIndexError):
-                self._skip(shard, exc, stop - start)
+                self._skip(exc)
                 return [None] * (stop - start)
             if self.on_error == "raise":
                 raise
         samples: list[dict | None] = []
         for item in decode_tar_each(info, payload, start, stop):  # drop only the bad samples
             if isinstance(item, ShardError):
-                self._skip(shard, item, 1)
+                self._skip(item)
                 samples.append(None)
             else:
                 samples.append({**item, **constants})
         return samples
 
-    def _skip(self, shard: int, exc: ShardError, count: int) -> None:
-        """Count ``count`` samples of shard number ``shard`` as skipped, or raise ``exc``."""
+    def _skip(self, exc: ShardError) -> None:
+        """Raise ``exc``, or (``on_error="skip"``) warn once per shard: the samples are left
+        out, and counted when their turn to be handed out comes (another worker may read the
+        same block for other samples)."""
         if self.on_error == "raise" or isinstance(exc, StaleIndexError):
             raise exc
-        url = self.index.shards[shard].url
-        if url not in self._warned:
-            self._warned.add(url)
+        if exc.url not in self._warned:
+            self._warned.add(exc.url)
             warnings.warn(f"skipping unreadable samples: {exc}", stacklevel=2)
+
+    def _count_skipped(self, shard: int, count: int = 1) -> None:
         self._shared[2 + shard] += count
 
 

@@ -1,0 +1,149 @@
+"""What a new user's real files and mistakes do: never a silent wrong result (issue 9)."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import numbered_samples, write_tar
+from torch.utils.data import DataLoader
+
+from nnh_data import ShardedStreamingDataset, ShardError, StaleIndexError, build_shard_index
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _rewrite_same_size(path: str, count: int) -> None:
+    before = os.path.getsize(path)
+    write_tar(path, numbered_samples(0, count, 16), pax=False)
+    assert os.path.getsize(path) == before  # tar pads to 10 KiB records
+    os.utime(path, ns=(0, os.stat(path).st_mtime_ns + 1))
+
+
+def test_rewritten_shard_of_the_same_size_is_reindexed(tmp_path):
+    path = tmp_path / "s-000000.tar"
+    write_tar(path, numbered_samples(0, 7, 16), pax=False)
+    assert build_shard_index(str(path)).total_samples == 7
+    _rewrite_same_size(path, 8)
+    ds = ShardedStreamingDataset(str(path))
+    assert len(list(ds)) == 8
+
+
+@pytest.mark.parametrize(("before", "after"), [(7, 8), (8, 7)])
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_stale_index_in_hand_raises_with_the_fix(tmp_path, before, after, on_error):
+    path = tmp_path / "s-000000.tar"
+    write_tar(path, numbered_samples(0, before, 16), pax=False)
+    index = build_shard_index(str(path))
+    _rewrite_same_size(path, after)
+    ds = ShardedStreamingDataset(index, on_error=on_error, shuffle=False)
+    with pytest.raises(StaleIndexError, match="rebuild") as info:
+        list(ds)
+    assert str(path) in str(info.value)
+
+
+def test_stale_parquet_index_raises(tmp_path):
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(pa.table({"x": list(range(6))}), path, row_group_size=3)
+    index = build_shard_index(path)
+    pq.write_table(pa.table({"x": list(range(7))}), path, row_group_size=3)
+    with pytest.raises(StaleIndexError, match="rebuild"):
+        list(ShardedStreamingDataset(index, on_error="skip"))
+
+
+def test_state_from_another_shard_list_is_refused(tar_shards, tmp_path):
+    urls = tar_shards([12, 12, 12, 12])
+    ds = ShardedStreamingDataset(urls, seed=0)
+    it = iter(ds)
+    [next(it) for _ in range(5)]
+    state = ds.state_dict()
+    other = ShardedStreamingDataset(list(reversed(urls)), seed=0)  # same total, other order
+    with pytest.raises(ValueError, match=r"state\['shards'\].*same shards"):
+        other.load_state_dict(state)
+    ShardedStreamingDataset(urls, seed=0).load_state_dict(state)  # the same list loads
+
+
+def test_parquet_column_types_follow_the_dataset(tmp_path):
+    pq.write_table(pa.table({"v": [1, 2, 3]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"v": [4, None, 6]}), tmp_path / "b.parquet")
+    pq.write_table(pa.table({"w": [1.5, 2.5, 3.5], "v": [7, 8, 9]}).select(["v"]),
+                   tmp_path / "c.parquet")  # fmt: skip
+    for seed in range(4):
+        ds = ShardedStreamingDataset(str(tmp_path), batch_size=2, seed=seed)
+        for batch in ds:
+            assert isinstance(batch["v"], list)  # nullable somewhere: lists, None for nulls
+        values = sorted((s["v"] is None, s["v"] or 0) for s in ShardedStreamingDataset(
+            str(tmp_path), seed=seed))  # fmt: skip
+        assert values[-1] == (True, 0)
+    keys = [s["__key__"] for s in ShardedStreamingDataset(str(tmp_path))]
+    assert len(set(keys)) == 9 and "b/1" in keys
+
+
+def test_decode_errors_name_shard_and_key_and_skip_counts(tar_shards):
+    urls = tar_shards([4, 4])
+
+    def decode(sample):
+        if sample["__key__"] == "00000005":
+            raise OSError("truncated JPEG")
+        return sample
+
+    with pytest.raises(ShardError, match=r"shard-000001\.tar.*truncated JPEG.*'00000005'"):
+        list(ShardedStreamingDataset(urls, decode=decode))
+    ds = ShardedStreamingDataset(urls, decode=decode, on_error="skip")
+    with pytest.warns(UserWarning, match="truncated JPEG"):
+        assert len(list(ds)) == 7
+    assert ds.error_counts == {urls[1]: 1}
+
+
+def _corrupt_header(path: str, sample: int) -> None:
+    """Break the checksum of the first header of sample ``sample`` (2 members per sample)."""
+    with tarfile.open(path) as tar:
+        offset = tar.getmembers()[2 * sample].offset
+    with open(path, "r+b") as f:
+        f.seek(offset + 148)
+        f.write(b"7777777\0")
+
+
+def test_skip_drops_only_the_bad_sample_and_counts_in_workers(tar_shards):
+    urls = tar_shards([10, 10], pax=False)
+    index = build_shard_index(urls)
+    _corrupt_header(urls[0], 3)
+    ds = ShardedStreamingDataset(index, on_error="skip", seed=0)
+    got = [int(i) for b in DataLoader(ds, batch_size=4, num_workers=2) for i in b["__index__"]]
+    assert sorted(got) == [i for i in range(20) if i != 3]
+    assert ds.error_counts == {urls[0]: 1}  # seen in the training process
+
+
+def test_split_samples_warn(tmp_path):
+    path = tmp_path / "gnu.tar"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in ["a.jpg", "b.jpg", "a.cls", "b.cls"]:  # as `tar -C dir .` may store them
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.warns(UserWarning, match="not contiguous"):
+        list(ShardedStreamingDataset(str(path)))
+
+
+def test_folder_and_missing_shard(tar_shards, tmp_path):
+    urls = tar_shards([3, 2])
+    assert len(list(ShardedStreamingDataset(str(tmp_path)))) == 5
+    with pytest.raises(FileNotFoundError, match="gone.tar"):
+        ShardedStreamingDataset([*urls, str(tmp_path / "sub" / "gone.tar")])
+    (tmp_path / "x.tar.gz").write_bytes(b"")
+    with pytest.raises(ValueError, match="compressed tar is not supported"):
+        ShardedStreamingDataset(str(tmp_path / "x.tar.gz"))
+
+
+def test_seed_has_one_form_in_both_modes(tar_shards):
+    urls = tar_shards([6])
+    per_sample = {s["__index__"]: s["__aug__"]["seed"] for s in ShardedStreamingDataset(urls)}
+    for batch in ShardedStreamingDataset(urls, batch_size=4):
+        seeds = batch["__aug__"]["seed"]
+        assert seeds.dtype == np.int64
+        assert [per_sample[i] for i in batch["__index__"].tolist()] == seeds.tolist()
