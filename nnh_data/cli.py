@@ -1,8 +1,11 @@
 """The ``nnh-data`` command: index shards, convert files or Parquet tables to tar shards.
 
-nnh-data index "data/train-{000000..000063}.tar"
+nnh-data index "data/train-{000000..000063}.tar" --storage-options '{"anon": true}'
 nnh-data convert images/ "shards/train-%06d.tar" --max-count 10000
 nnh-data convert "table/*.parquet" "shards/train-%06d.tar" --max-bytes 1000000000
+
+Errors are one line on stderr and exit status 2; an index that cannot be saved is an error
+(pass --index-path to write it elsewhere).
 """
 
 from __future__ import annotations
@@ -11,40 +14,74 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 
 from nnh_data.shard_index import ShardIndex
-from nnh_data.shards import build_shard_index
+from nnh_data.shards import ShardError, build_shard_index
 from nnh_data.sources import expand_sources
 from nnh_data.writer import directory_samples, parquet_samples, write_shards
+
+__all__ = ["main"]
+
+_PARQUET = (".parquet", ".pq")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``nnh-data``; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     started = time.perf_counter()
-    index = args.run(args)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="could not save the shard index")
+            index = args.run(args)
+    except (ValueError, OSError, ShardError, UserWarning) as exc:
+        parser.exit(2, f"nnh-data: error: {exc}\n")
     print(_summary(index, time.perf_counter() - started))
     return 0
 
 
+def _storage_options(text: str) -> dict:
+    try:
+        options = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return options
+
+
+def _common(default: object) -> argparse.ArgumentParser:
+    """The options every command takes, before or after the command name (after it, the
+    default is suppressed so that a value given before it is kept)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--storage-options", type=_storage_options, default=default, help="fsspec options (JSON)"
+    )
+    return common
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="nnh-data", description=__doc__.splitlines()[0].replace("``", "")
-    )
-    parser.add_argument(
-        "--storage-options", type=json.loads, default=None, help="fsspec options, as JSON"
-    )
+        prog="nnh-data", description=__doc__.splitlines()[0].replace("``", ""),
+        parents=[_common(None)],
+    )  # fmt: skip
+    common = _common(argparse.SUPPRESS)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    index = commands.add_parser("index", help="build (or refresh) the index of shards")
+    index = commands.add_parser(
+        "index", help="build (or refresh) the index of shards", parents=[common]
+    )
     index.add_argument("sources", nargs="+", help="shard URLs, globs or brace patterns")
     index.add_argument("--format", choices=("tar", "parquet"), default=None)
     index.add_argument("--index-path", default=None, help="where to save the JSON index")
     index.add_argument("--rebuild", action="store_true", help="rescan every shard")
     index.set_defaults(run=_index)
 
-    convert = commands.add_parser("convert", help="write tar shards from files or Parquet")
+    convert = commands.add_parser(
+        "convert", help="write tar shards from files or Parquet", parents=[common]
+    )
     convert.add_argument("source", help="a folder of key.field files, or Parquet file(s)")
     convert.add_argument("pattern", help="output shard names, like shards/train-%%06d.tar")
     convert.add_argument("--max-count", type=int, default=100_000)
@@ -64,11 +101,13 @@ def _index(args: argparse.Namespace) -> ShardIndex:
 
 
 def _convert(args: argparse.Namespace) -> ShardIndex:
-    if args.source.rstrip("/").endswith((".parquet", ".pq")):
-        urls = expand_sources(args.source, args.storage_options)
+    if args.source.rstrip("/").endswith(_PARQUET) or _parquet_folder(args):
+        urls = [
+            u for u in expand_sources(args.source, args.storage_options) if u.endswith(_PARQUET)
+        ]
         samples = parquet_samples(urls, args.storage_options)
     else:
-        samples = directory_samples(args.source, args.storage_options)
+        samples = directory_samples(args.source, args.storage_options, exclude=args.pattern)
     return write_shards(
         samples,
         args.pattern,
@@ -76,6 +115,16 @@ def _convert(args: argparse.Namespace) -> ShardIndex:
         max_bytes=args.max_bytes,
         storage_options=args.storage_options,
     )
+
+
+def _parquet_folder(args: argparse.Namespace) -> bool:
+    """True when ``source`` is a folder that holds Parquet files (then only they are read:
+    tar shards beside them, such as this command's earlier output, are not inputs)."""
+    try:
+        urls = expand_sources(args.source, args.storage_options)
+    except (ValueError, FileNotFoundError):
+        return False
+    return urls != [args.source] and any(url.endswith(_PARQUET) for url in urls)
 
 
 def _summary(index: ShardIndex, seconds: float) -> str:

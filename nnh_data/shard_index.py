@@ -233,6 +233,9 @@ def save_entries(
 def write_atomic(fs: AbstractFileSystem, path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary name, so readers never see a partial file."""
     temporary = temporary_path(path)
+    folder = posixpath.dirname(path)
+    if folder:
+        fs.makedirs(folder, exist_ok=True)
     fs.pipe_file(temporary, data)
     fs.mv(temporary, path)
 

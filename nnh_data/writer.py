@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 import tarfile
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
@@ -22,6 +25,7 @@ from webdataset.writer import make_encoder
 
 from nnh_data.checks import check_int
 from nnh_data.shard_index import (
+    INDEX_NAME,
     ShardIndex,
     ShardInfo,
     default_index_path,
@@ -33,6 +37,8 @@ from nnh_data.shard_index import (
 )
 from nnh_data.sources import expand_sources
 from nnh_data.tar_format import BLOCK, split_name
+
+__all__ = ["directory_samples", "parquet_samples", "write_shards"]
 
 _END = bytes(2 * BLOCK)
 
@@ -121,6 +127,8 @@ def _encode_sample(sample: dict, previous_key: str | None) -> tuple[str, bytes]:
                 f"{split_name(name)}; use no '.' in the key's last part and lower-case fields"
             )
         parts.extend(_member(name, sample[field]))
+    if not parts:
+        raise ValueError(f"sample {key!r} has no field to write: a tar holds only its members")
     return key, b"".join(parts)
 
 
@@ -169,13 +177,23 @@ class _ShardFile:
         return ShardInfo.from_offsets(self.url, "tar", self.offsets, size, version)
 
 
-def directory_samples(url: str, storage_options: dict[str, Any] | None = None) -> Iterator[dict]:
+def directory_samples(
+    url: str, storage_options: dict[str, Any] | None = None, exclude: str | None = None
+) -> Iterator[dict]:
     """Samples from a folder of files, grouped by key like a tar shard: ``a/1.jpg`` and
-    ``a/1.cls`` become ``{"__key__": "a/1", "jpg": ..., "cls": ...}``, keys in sorted order."""
+    ``a/1.cls`` become ``{"__key__": "a/1", "jpg": ..., "cls": ...}``, keys in sorted order.
+
+    Index sidecars, temporary files and files matching ``exclude`` (the output shard pattern
+    of a convert, ``%``-style) are never inputs, so a convert that writes inside its source
+    can run again."""
     fs, root = url_to_fs(url, **(storage_options or {}))
     root = root.rstrip("/")
+    skipped = _output_pattern(fs, exclude)
     grouped: dict[str, dict[str, str]] = {}
     for path in sorted(fs.find(root)):
+        name = path.rsplit("/", 1)[-1]
+        if name == INDEX_NAME or name.startswith(".") or skipped and skipped.fullmatch(path):
+            continue
         key, field = split_name(path[len(root) + 1 :])
         if key is not None:
             grouped.setdefault(key, {})[field] = path
@@ -186,20 +204,54 @@ def directory_samples(url: str, storage_options: dict[str, Any] | None = None) -
         yield {"__key__": key, **{field: fs.cat_file(path) for field, path in fields.items()}}
 
 
+def _output_pattern(fs: AbstractFileSystem, pattern: str | None) -> re.Pattern | None:
+    """The paths ``pattern % n`` names, as a regular expression."""
+    if pattern is None:
+        return None
+    path = fs._strip_protocol(pattern)
+    parts = re.split(r"%0?\d*d", path)
+    return re.compile(r"\d+".join(map(re.escape, parts)))
+
+
 def parquet_samples(
     source: str | Sequence[str], storage_options: dict[str, Any] | None = None
 ) -> Iterator[dict]:
-    """Samples from Parquet rows: one field per column (bytes and str as they are, None left
-    out, other values as JSON); the key is the ``__key__`` column, else the row number."""
-    row = 0
+    """Samples from Parquet rows, one field per column, named so that the value keeps its type
+    when read back (as webdataset decodes by extension): binary as it is (the column name is
+    the field), strings as ``.txt``, integers as ``.cls``, everything else (floats, booleans,
+    lists, structs) as ``.json``; a null leaves the field out of that sample, and a row with
+    only nulls is left out (with a warning: a tar sample needs a member). The key is the
+    ``__key__`` column, else the file's stem and the row number."""
     for url in expand_sources(source, storage_options):
         fs, path = url_to_fs(url, **(storage_options or {}))
-        for batch in pq.ParquetFile(path, filesystem=fs).iter_batches():
+        stem = url.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+        parquet = pq.ParquetFile(path, filesystem=fs)
+        fields = {f.name: _field_name(f) for f in parquet.schema_arrow if f.name != "__key__"}
+        row = 0
+        for batch in parquet.iter_batches():
             for record in batch.to_pylist():
                 key = record.pop("__key__", None)
-                fields = {k: _as_bytes(v) for k, v in record.items() if v is not None}
-                yield {"__key__": str(row if key is None else key), **fields}
+                values = {fields[k]: _as_bytes(v) for k, v in record.items() if v is not None}
+                key = f"{stem}/{row}" if key is None else str(key)
                 row += 1
+                if values:
+                    yield {"__key__": key, **values}
+                else:
+                    warnings.warn(f"{url}: row {key!r} holds only nulls; left out", stacklevel=2)
+
+
+def _field_name(field: pa.Field) -> str:
+    kind = field.type
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return field.name
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        suffix = "txt"
+    elif pa.types.is_integer(kind):
+        suffix = "cls"
+    else:
+        suffix = "json"
+    name = field.name
+    return name if name == suffix or name.endswith("." + suffix) else f"{name}.{suffix}"
 
 
 def _as_bytes(value: Any) -> bytes:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 from importlib.metadata import entry_points
 
 import pyarrow as pa
@@ -51,3 +52,51 @@ def test_usage_errors_exit_nonzero(capsys):
 def test_console_script_is_main():
     (script,) = entry_points(group="console_scripts", name="nnh-data")
     assert script.load() is main
+
+
+def test_convert_a_parquet_folder_and_rerun_inside_it(tmp_path, capsys):
+    pq.write_table(pa.table({"n": [1, 2, None]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"n": [4]}), tmp_path / "b.parquet")
+    pattern = str(tmp_path / "s-%02d.tar")
+    for _ in range(2):  # the second run must not read its own shards or sidecar
+        with pytest.warns(UserWarning, match="'a/2' holds only nulls"):
+            assert main(["convert", str(tmp_path), pattern]) == 0
+        assert "1 shards, 3 samples" in capsys.readouterr().out
+    index = build_shard_index(str(tmp_path / "s-00.tar"))
+    samples = list(iter_shard_samples(index.shards[0]))
+    assert samples[1:] == [{"__key__": "a/1", "n.cls": b"2"}, {"__key__": "b/0", "n.cls": b"4"}]
+    for key in range(2):
+        (tmp_path / "files" / f"{key}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "files" / f"{key}.txt").write_text("x")
+    inside = str(tmp_path / "files" / "out-%d.tar")
+    for _ in range(2):
+        assert main(["convert", str(tmp_path / "files"), inside]) == 0
+        assert "2 samples" in capsys.readouterr().out
+
+
+def test_options_after_the_command_and_one_line_errors(tar_shards, tmp_path, capsys):
+    tar_shards([2])
+    source = str(tmp_path / "shard-000000.tar")
+    assert main(["index", source, "--storage-options", "{}"]) == 0
+    assert main(["--storage-options", "{}", "index", source]) == 0
+    nested = tmp_path / "new" / "dir" / "idx.json"
+    assert main(["index", source, "--index-path", str(nested)]) == 0 and nested.exists()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as caught:
+        main(["index", str(tmp_path / "missing.tar")])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1 and "missing.tar" in err
+    assert "Traceback" not in err
+
+
+def test_index_on_a_read_only_folder_fails(tar_shards, tmp_path, capsys):
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    tar_shards([2])
+    tmp_path.chmod(0o555)
+    try:
+        with pytest.raises(SystemExit) as caught:
+            main(["index", str(tmp_path / "shard-000000.tar")])
+        assert caught.value.code == 2 and "could not save" in capsys.readouterr().err
+    finally:
+        tmp_path.chmod(0o755)

@@ -135,9 +135,14 @@ def test_directory_and_parquet_samples(tmp_path):
         {"__key__": "sub/a", "cls": b"1", "jpg": b"J"},
         {"__key__": "sub/b", "txt": b"B"},
     ]
-    table = pa.table({"label": [1, None], "text": ["x", "y"], "raw": [b"r", b"s"]})
+    table = pa.table(
+        {"label": [1, None], "text": ["x", "y"], "raw": [b"r", b"s"], "tags": [[1, 2], None],
+         "score": [0.5, 1.5], "meta": [{"a": 1}, {"a": 2}]}
+    )  # fmt: skip
     pq.write_table(table, tmp_path / "t.parquet")
     assert list(parquet_samples(str(tmp_path / "t.parquet"))) == [
-        {"__key__": "0", "label": b"1", "text": b"x", "raw": b"r"},
-        {"__key__": "1", "text": b"y", "raw": b"s"},
-    ]
+        {"__key__": "t/0", "label.cls": b"1", "text.txt": b"x", "raw": b"r",
+         "tags.json": b"[1, 2]", "score.json": b"0.5", "meta.json": b'{"a": 1}'},
+        {"__key__": "t/1", "text.txt": b"y", "raw": b"s", "score.json": b"1.5",
+         "meta.json": b'{"a": 2}'},
+    ]  # fmt: skip
