@@ -28,6 +28,7 @@ by a worker's state until the loader yields the batch that holds them.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -69,7 +70,7 @@ from nnh_data.shards import (
     forget_open_files,
     split_shard_range,
 )
-from nnh_data.topology import dist_info, in_worker_process, worker_info
+from nnh_data.topology import built_on_rank0, dist_info, dist_ready, in_worker_process, worker_info
 
 __all__ = ["ShardedStreamingDataset", "merge_states", "state_from_loader"]
 
@@ -183,13 +184,12 @@ class ShardedStreamingDataset(IterableDataset):
         if isinstance(source, ShardIndex):
             self.index = source
         else:
-            self.index = build_shard_index(
-                source,
-                format=format,
-                storage_options=storage_options,
-                index_path=index_path,
-                on_error=on_error,
-            )
+            build = functools.partial(
+                build_shard_index, source, format=format, storage_options=storage_options,
+                index_path=index_path, on_error=on_error,
+            )  # fmt: skip
+            shared = rank is None and world_size is None and dist_ready()
+            self.index = built_on_rank0(build) if shared else build()
         self.rank, self.world_size = dist_info(rank, world_size)
         self.seed = check_int("seed", seed, low=0, high=MASK64)
         epoch = check_int("epoch", epoch, low=0, high=MASK64)

@@ -10,14 +10,22 @@ WebDataset), then a process alone. Environment values are checked, so a typo suc
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import torch.distributed as dist
 from torch.utils.data import get_worker_info
 
 from nnh_data.checks import check_int
 
-__all__ = ["dist_info", "dist_ready", "env_int", "in_worker_process", "worker_info"]
+__all__ = [
+    "built_on_rank0",
+    "dist_info",
+    "dist_ready",
+    "env_int",
+    "in_worker_process",
+    "worker_info",
+]
 
 
 def dist_ready() -> bool:
@@ -85,3 +93,25 @@ def worker_info() -> tuple[int, int]:
 def in_worker_process() -> bool:
     """True inside a DataLoader worker process (whatever ``WORKER`` says)."""
     return get_worker_info() is not None
+
+
+T = TypeVar("T")
+
+
+def built_on_rank0(build: Callable[[], T]) -> T:
+    """``build()`` on rank 0 of the process group, its result sent to every rank; an error
+    there is raised on every rank. Every rank must call it (it is one broadcast): the shard
+    index of a data set on object storage is then scanned once, not once per rank."""
+    if not dist_ready() or dist.get_world_size() == 1:
+        return build()
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (True, build())
+        except Exception as exc:  # sent to every rank, raised on every rank below
+            box[0] = (False, exc)
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
