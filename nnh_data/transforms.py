@@ -43,6 +43,7 @@ it: faster, but it depends on the batch and the generator state, not on the samp
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,7 @@ def apply_augmentation(
     if images.dim() not in (3, 4):
         raise ValueError(f"images must be (N, C, H, W) or (C, H, W), got {tuple(images.shape)}")
     batch = images if images.dim() == 4 else images.unsqueeze(0)
+    _warn_outside(batch, low, high)
     cols = _param_columns(params, batch.shape[0])
     out = torch.empty_like(batch)
     drawn = None  # drawn for the whole batch at once, so groups do not change the numbers
@@ -110,6 +112,21 @@ def apply_augmentation(
         z = None if drawn is None else drawn[lo:hi]
         out[lo:hi] = _augment(batch[lo:hi], part, padding_mode, (low, high), z)
     return out if images.dim() == 4 else out.squeeze(0)
+
+
+def _warn_outside(batch: Tensor, low: float, high: float) -> None:
+    """Warn when float pixels lie outside the value range: the final clamp would cut them (a
+    normalised image needs ``value_range``)."""
+    if not batch.is_floating_point() or batch.numel() == 0:
+        return
+    seen_low, seen_high = (float(v) for v in torch.aminmax(batch))
+    if seen_low < low or seen_high > high:
+        warnings.warn(
+            f"images hold values in [{seen_low:.3g}, {seen_high:.3g}], outside value_range "
+            f"[{low:g}, {high:g}]: they will be clamped; pass value_range=(low, high) of your "
+            "pixel values (e.g. of normalised images)",
+            stacklevel=3,
+        )
 
 
 def _chunks(batch: Tensor) -> list[tuple[int, int]]:

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -276,3 +277,14 @@ def test_cuda_matches_cpu():
     u8 = (images * 255).byte()
     diff = apply_augmentation(u8.cuda(), p).cpu().int() - apply_augmentation(u8, p).int()
     assert diff.abs().max() <= 1
+
+
+def test_float_images_outside_the_value_range_warn():
+    images = torch.randn(2, 3, 8, 8)  # normalised: negative values
+    params = gen_augmentation_params_batch(range(2), rank_aware=False)
+    with pytest.warns(UserWarning, match="outside value_range"):
+        apply_augmentation(images, params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_augmentation(images, params, value_range=(-10.0, 10.0))
+        apply_augmentation(images.clamp(0, 1), params)
