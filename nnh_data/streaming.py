@@ -255,6 +255,8 @@ class ShardedStreamingDataset(IterableDataset):
         if epoch != self.epoch:
             self._shared[0] = epoch
             self._pending, self._pass = None, None
+        if self._precomputed is not None:  # an epoch the table lacks fails here, not in a worker
+            self._precomputed.check_covers(*self._precomputed_settings())
 
     def set_loader_batch_size(self, batch_size: int) -> None:
         """Cut worker ranges in whole batches of the loader's ``batch_size`` (per-sample mode),

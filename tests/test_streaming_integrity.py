@@ -147,3 +147,27 @@ def test_seed_has_one_form_in_both_modes(tar_shards):
         seeds = batch["__aug__"]["seed"]
         assert seeds.dtype == np.int64
         assert [per_sample[i] for i in batch["__index__"].tolist()] == seeds.tolist()
+
+
+@pytest.mark.parametrize("batch_size", [None, 4])
+@pytest.mark.parametrize("rank_aware", [False, True])
+def test_precomputed_parameters_equal_generated_ones(tar_shards, tmp_path, batch_size, rank_aware):
+    from nnh_data import PrecomputeSpec, get_preset, write_precomputed_params
+
+    urls = tar_shards([5, 6])
+    config = get_preset("mild")
+    spec = PrecomputeSpec(11, epochs=2, config=config, seed=3, rank_aware=rank_aware,
+                          world_size=2 if rank_aware else 1, rows_per_file=7)  # fmt: skip
+    write_precomputed_params(spec, tmp_path / "table", progress=False)
+    kwargs = dict(seed=3, aug_config=config, batch_size=batch_size, epoch=1, rank=1,
+                  world_size=2, rank_aware_params=rank_aware)  # fmt: skip
+    generated = list(ShardedStreamingDataset(urls, **kwargs))
+    replayed = list(ShardedStreamingDataset(urls, precomputed=str(tmp_path / "table"), **kwargs))
+    for a, b in zip(generated, replayed, strict=True):
+        for name, value in a["__aug__"].items():
+            assert np.array_equal(np.asarray(value), np.asarray(b["__aug__"][name])), name
+    with pytest.raises(ValueError, match="seed"):
+        ShardedStreamingDataset(urls, precomputed=str(tmp_path / "table"), **{**kwargs, "seed": 4})
+    late = ShardedStreamingDataset(urls, precomputed=str(tmp_path / "table"), **kwargs)
+    with pytest.raises(ValueError, match="epochs"):
+        late.set_epoch(2)
