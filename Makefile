@@ -15,8 +15,11 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# The main job on CPU: 2 DDP processes, synthetic shards written once to build/demo/data.
 demo: $(STAMP)
-	$(PY) examples/demo.py
+	rm -rf build/demo/run
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_minimal.py \
+		--device cpu --data-dir build/demo/data --run-dir build/demo/run
 
 test: $(STAMP)
 	$(PY) -m pytest -q
