@@ -121,3 +121,28 @@ def test_corrupt_checkpoint_gives_a_clear_error(data_dir, tmp_path):
     assert done.returncode != 0
     assert "CheckpointError" in done.stderr and "last.pt" in done.stderr, done.stderr[-2000:]
     assert "truncated or corrupt" in done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_two_torchrun_agents_with_a_c10d_rendezvous_train_like_one(reference, data_dir, tmp_path):
+    port = free_port()
+    agents = [
+        subprocess.Popen(
+            [str(TORCHRUN), "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
+             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=e2e",
+             str(SCRIPT), *ARGS, "--data-dir", data_dir, "--run-dir", str(tmp_path)],
+            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [agent.communicate(timeout=2 * RUN_TIMEOUT) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+    for agent, (_, stderr) in zip(agents, outputs):
+        assert agent.returncode == 0, stderr[-4000:]
+    assert "validation accuracy" in outputs[0][0] + outputs[1][0]
+    assert_same_weights(reference[0] / "last.pt", tmp_path / "last.pt")  # same ranks, same data
