@@ -3,13 +3,13 @@
 Design. Each optimizer step has one collective: an ``all_gather`` of a short row per rank (the
 loss trained on, the step's sample count without pads, the loss and metrics over those samples,
 and a "signal received" flag), started before the last backward and waited for before the
-optimizer step, so its latency overlaps the backward. From the same gathered rows every rank
+optimizer step, so that its latency overlaps the backward. From the same gathered rows every rank
 decides the same things the same way: a non-finite loss on any rank stops every rank before the
 optimizer step, with an error naming the ranks, the step and the values; a SIGUSR1/SIGTERM on any
 rank (the signal handler only sets a flag) makes every rank save the same checkpoint at the same
-step and exit with :data:`PREEMPTED_EXIT_CODE`; and the history is summed in rank order from those
-rows, so it is identical on every rank, and so are the callbacks' decisions that read it. The cost
-is that one small collective per step (measured against a bare loop in
+step and exit with :data:`PREEMPTED_EXIT_CODE`; and the history is summed in rank order from
+those rows, so it is identical on every rank, and so are the callbacks' decisions that read it.
+The cost is that one small collective per step (measured against a bare loop in
 ``tools/bench/trainer.py``); a NaN check or a preemption flag that ranks must agree on cannot be
 had for less.
 
@@ -310,7 +310,10 @@ class NNHandler:
         Raises:
             FloatingPointError: on every rank, when a loss is NaN or infinite on any rank; no
                 rank has taken that optimizer step.
-            SystemExit: with :data:`PREEMPTED_EXIT_CODE` after a preemption save.
+
+        After a preemption save the process ends at once with :data:`PREEMPTED_EXIT_CODE`:
+        ``os._exit`` after flushing stdout and stderr, so ``finally`` blocks and ``atexit``
+        hooks do not run (an interpreter shutdown right after a gloo collective can abort).
         """
         run = _Run(epochs, validate_every, precision, gradient_accumulation_steps, max_steps,
                    bool(requeue), self._preempt_path(preempt_path))  # fmt: skip
@@ -610,7 +613,7 @@ class NNHandler:
         self.save(run.preempt_path)
         if run.requeue and self.rank == 0:
             _requeue()
-        raise SystemExit(PREEMPTED_EXIT_CODE)
+        _exit_now(PREEMPTED_EXIT_CODE)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -1034,6 +1037,16 @@ def _save_plot(path: str | os.PathLike, panels: list[tuple], val_epochs: list[in
         axes.set_ylabel(name)
         axes.legend()
     figure.savefig(path)
+
+
+def _exit_now(code: int) -> None:
+    """End the process with ``code`` without interpreter shutdown. Right after a collective,
+    gloo's worker thread may still drop the last reference to a Python-owned tensor; during
+    shutdown that thread is stopped with a forced unwind and the process aborts (SIGABRT)
+    instead of exiting with ``code``, which a scheduler then misreads."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _requeue() -> None:

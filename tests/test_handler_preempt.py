@@ -59,7 +59,8 @@ def wait_for_step(folder: Path, rank: int, step: int, timeout: float = 60) -> No
     path = folder / f"progress-{rank}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip() and int(path.read_text()) >= step:
+        text = path.read_text().strip() if path.exists() else ""  # "" while being rewritten
+        if text and int(text) >= step:
             return
         time.sleep(0.02)
     raise AssertionError(f"rank {rank} did not reach step {step} in {timeout} s")

@@ -55,6 +55,10 @@ def main() -> None:
         handler.add_callback(Progress(args.folder, args.slow))
     handler.train(3, resume=args.resume, requeue=args.requeue)
     handler.save(os.path.join(args.folder, "final.pt"))
+    # No interpreter shutdown right after a gloo collective: gloo's worker thread may still
+    # release a tensor then, and Python stops it mid-release, which aborts the process.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
