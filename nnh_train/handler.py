@@ -58,6 +58,7 @@ from nnh_data.checks import check_choice, check_int
 from nnh_data.gather import gather_for_metrics
 from nnh_data.loaders import RankCache, create_distributed_loader, create_rank_cached_dataloader
 from nnh_data.streaming import ShardedStreamingDataset, state_from_loader
+from nnh_data.streaming_loader import streaming_loader
 from nnh_train.callbacks import Callback, ModelCheckpoint
 from nnh_train.checkpoint import (
     load_checkpoint,
@@ -237,8 +238,9 @@ class NNHandler:
         """Train on ``dataset`` with ``batch_size`` samples per process and step.
 
         A map-style dataset gets :func:`~nnh_data.loaders.create_distributed_loader` (or the
-        rank-cached loader with ``cache=True``); a ``ShardedStreamingDataset`` a
-        ``StatefulDataLoader``, whose position checkpoints hold; a ``DataLoader`` is used as is.
+        rank-cached loader with ``cache=True``); a ``ShardedStreamingDataset``
+        :func:`~nnh_data.streaming_loader` (batch-aligned worker ranges; a ``StatefulDataLoader``
+        whose position checkpoints hold); a ``DataLoader`` is used as is.
         ``loader_kwargs`` go to the loader.
         """
         self.train_loader = self._loader(dataset, batch_size, cache, loader_kwargs, is_eval=False)
@@ -260,7 +262,7 @@ class NNHandler:
             return data
         batch_size = check_int("batch_size", batch_size, low=1)
         if isinstance(data, ShardedStreamingDataset) and not cache:
-            return StatefulDataLoader(data, batch_size=batch_size, **kwargs)
+            return streaming_loader(data, batch_size, **kwargs)
         if isinstance(data, IterableDataset) and not cache:
             raise ValueError(
                 "dataset must be map-style, a ShardedStreamingDataset or a DataLoader, got "

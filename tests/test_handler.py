@@ -170,7 +170,9 @@ class FromField(nn.Linear):
         return super().forward(batch["x"])
 
 
-def stream_handler(urls: list[str], seed: int = 0, seen: list | None = None) -> NNHandler:
+def stream_handler(
+    urls: list[str], seed: int = 0, seen: list | None = None, num_workers: int = 0
+) -> NNHandler:
     """A linear model regressing each sample's id from its payload, on a stream of ``urls``;
     ``seen`` collects the (id, pad) of every sample trained on."""
     torch.manual_seed(seed)
@@ -184,7 +186,8 @@ def stream_handler(urls: list[str], seed: int = 0, seen: list | None = None) -> 
         return (out.squeeze(1) - batch["__index__"].float()).pow(2).mean()
 
     h.set_loss_fn(loss)
-    h.set_train_loader(ShardedStreamingDataset(urls, seed=3, decode=as_features), batch_size=5)
+    dataset = ShardedStreamingDataset(urls, seed=3, decode=as_features)
+    h.set_train_loader(dataset, batch_size=5, num_workers=num_workers)
     return h
 
 
@@ -193,14 +196,16 @@ def as_features(sample: dict) -> dict:
     return {**sample, "x": torch.frombuffer(bytearray(sample["bin"]), dtype=torch.uint8).float()}
 
 
-def test_streaming_dataset_resumes_mid_epoch(tar_shards, tmp_path):
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_streaming_dataset_resumes_mid_epoch(tar_shards, tmp_path, workers):
     urls = tar_shards([7, 9, 8])
-    whole = stream_handler(urls)
+    whole = stream_handler(urls, num_workers=workers)
     whole.train(2)
-    first = stream_handler(urls)
+    first = stream_handler(urls, num_workers=workers)
     first.train(2, max_steps=7)  # epoch 1, batch 2 of 5
     first.save(tmp_path / "ckpt.pt")
-    resumed = stream_handler(urls, seed=5)
+    resumed = stream_handler(urls, seed=5, num_workers=workers)
     resumed.train(2, resume=tmp_path / "ckpt.pt")
     assert_same_run(whole, resumed)
 
