@@ -11,16 +11,25 @@ Errors are one line on stderr and exit status 2; an index that cannot be saved i
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from nnh_data.job_array import array_task_info
+from nnh_data.ranges import DistributedRangeSplitter
 from nnh_data.shard_index import ShardIndex
 from nnh_data.shards import ShardError, build_shard_index
 from nnh_data.sources import expand_sources
-from nnh_data.writer import directory_samples, parquet_samples, write_shards
+from nnh_data.writer import (
+    count_directory_samples,
+    count_parquet_samples,
+    directory_samples,
+    parquet_samples,
+    write_shards,
+)
 
 __all__ = ["main"]
 
@@ -86,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("pattern", help="output shard names, like shards/train-%%06d.tar")
     convert.add_argument("--max-count", type=int, default=100_000)
     convert.add_argument("--max-bytes", type=int, default=3_000_000_000)
+    convert.add_argument("--task-index", type=int, default=None, help="this task (Slurm array)")
+    convert.add_argument("--num-tasks", type=int, default=None, help="tasks splitting the work")
     convert.set_defaults(run=_convert)
     return parser
 
@@ -105,16 +116,46 @@ def _convert(args: argparse.Namespace) -> ShardIndex:
         urls = [
             u for u in expand_sources(args.source, args.storage_options) if u.endswith(_PARQUET)
         ]
-        samples = parquet_samples(urls, args.storage_options)
+        read = functools.partial(parquet_samples, urls, args.storage_options)
+        count = functools.partial(count_parquet_samples, urls, args.storage_options)
     else:
-        samples = directory_samples(args.source, args.storage_options, exclude=args.pattern)
-    return write_shards(
-        samples,
-        args.pattern,
-        max_count=args.max_count,
-        max_bytes=args.max_bytes,
+        where = (args.source, args.storage_options, args.pattern)
+        read = functools.partial(directory_samples, *where)
+        count = functools.partial(count_directory_samples, *where)
+    write = functools.partial(
+        write_shards, pattern=args.pattern, max_count=args.max_count, max_bytes=args.max_bytes,
         storage_options=args.storage_options,
-    )
+    )  # fmt: skip
+    if args.task_index is None and args.num_tasks is None and not _in_array():
+        return write(read())
+    return _convert_task(args, read, count(), write)
+
+
+def _convert_task(
+    args: argparse.Namespace, read: Callable, total: int, write: Callable
+) -> ShardIndex:
+    """This task's shards: shard ``s`` holds input samples ``[s * max_count, (s + 1) *
+    max_count)`` whatever the number of tasks, and each task writes a contiguous run of shard
+    numbers, so the union over tasks is the one-task output; ``nnh-data index`` afterwards
+    writes one index for all of them."""
+    task, tasks = array_task_info(args.task_index, args.num_tasks)
+    shards = -(-total // args.max_count)
+    first, last = DistributedRangeSplitter(shards, tasks).get_rank_range(task)
+    infos = []
+    for shard in range(first, last):
+        samples = read(shard * args.max_count, (shard + 1) * args.max_count)
+        index = write(samples, start_shard=shard)
+        if len(index.shards) > 1:
+            raise ValueError(
+                f"max_bytes={args.max_bytes} split shard {shard} in two; with tasks, shards are "
+                "cut by --max-count only: raise --max-bytes or lower --max-count"
+            )
+        infos.extend(index.shards)
+    return ShardIndex(tuple(infos), index.path if infos else None)
+
+
+def _in_array() -> bool:
+    return array_task_info()[1] > 1
 
 
 def _parquet_folder(args: argparse.Namespace) -> bool:

@@ -38,7 +38,13 @@ from nnh_data.shard_index import (
 from nnh_data.sources import expand_sources
 from nnh_data.tar_format import BLOCK, split_name
 
-__all__ = ["directory_samples", "parquet_samples", "write_shards"]
+__all__ = [
+    "count_directory_samples",
+    "count_parquet_samples",
+    "directory_samples",
+    "parquet_samples",
+    "write_shards",
+]
 
 _END = bytes(2 * BLOCK)
 
@@ -178,14 +184,35 @@ class _ShardFile:
 
 
 def directory_samples(
-    url: str, storage_options: dict[str, Any] | None = None, exclude: str | None = None
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    exclude: str | None = None,
+    start: int = 0,
+    stop: int | None = None,
 ) -> Iterator[dict]:
     """Samples from a folder of files, grouped by key like a tar shard: ``a/1.jpg`` and
-    ``a/1.cls`` become ``{"__key__": "a/1", "jpg": ..., "cls": ...}``, keys in sorted order.
+    ``a/1.cls`` become ``{"__key__": "a/1", "jpg": ..., "cls": ...}``, keys in sorted order;
+    only samples ``[start, stop)`` of that order are read.
 
     Index sidecars, temporary files and files matching ``exclude`` (the output shard pattern
     of a convert, ``%``-style) are never inputs, so a convert that writes inside its source
     can run again."""
+    fs, grouped = _grouped_files(url, storage_options, exclude)
+    for key in sorted(grouped)[start:stop]:
+        fields = grouped[key]
+        yield {"__key__": key, **{field: fs.cat_file(path) for field, path in fields.items()}}
+
+
+def count_directory_samples(
+    url: str, storage_options: dict[str, Any] | None = None, exclude: str | None = None
+) -> int:
+    """How many samples :func:`directory_samples` yields (from one listing, no reads)."""
+    return len(_grouped_files(url, storage_options, exclude)[1])
+
+
+def _grouped_files(
+    url: str, storage_options: dict[str, Any] | None, exclude: str | None
+) -> tuple[AbstractFileSystem, dict[str, dict[str, str]]]:
     fs, root = url_to_fs(url, **(storage_options or {}))
     root = root.rstrip("/")
     skipped = _output_pattern(fs, exclude)
@@ -199,9 +226,7 @@ def directory_samples(
             grouped.setdefault(key, {})[field] = path
     if not grouped:
         raise FileNotFoundError(f"no files named like key.field under {url!r}")
-    for key in sorted(grouped):
-        fields = grouped[key]
-        yield {"__key__": key, **{field: fs.cat_file(path) for field, path in fields.items()}}
+    return fs, grouped
 
 
 def _output_pattern(fs: AbstractFileSystem, pattern: str | None) -> re.Pattern | None:
@@ -214,30 +239,60 @@ def _output_pattern(fs: AbstractFileSystem, pattern: str | None) -> re.Pattern |
 
 
 def parquet_samples(
-    source: str | Sequence[str], storage_options: dict[str, Any] | None = None
+    source: str | Sequence[str],
+    storage_options: dict[str, Any] | None = None,
+    start: int = 0,
+    stop: int | None = None,
 ) -> Iterator[dict]:
-    """Samples from Parquet rows, one field per column, named so that the value keeps its type
-    when read back (as webdataset decodes by extension): binary as it is (the column name is
-    the field), strings as ``.txt``, integers as ``.cls``, everything else (floats, booleans,
-    lists, structs) as ``.json``; a null leaves the field out of that sample, and a row with
-    only nulls is left out (with a warning: a tar sample needs a member). The key is the
-    ``__key__`` column, else the file's stem and the row number."""
+    """Samples from Parquet rows ``[start, stop)`` (counted over the files in order), one field
+    per column, named so that the value keeps its type when read back (as webdataset decodes
+    by extension): binary as it is (the column name is the field), strings as ``.txt``,
+    integers as ``.cls``, everything else (floats, booleans, lists, structs) as ``.json``; a
+    null leaves the field out of that sample, and a row with only nulls is left out (with a
+    warning: a tar sample needs a member). The key is the ``__key__`` column, else the file's
+    stem and the row number."""
+    first = 0
     for url in expand_sources(source, storage_options):
         fs, path = url_to_fs(url, **(storage_options or {}))
-        stem = url.rsplit("/", 1)[-1].rsplit(".", 1)[0]
         parquet = pq.ParquetFile(path, filesystem=fs)
-        fields = {f.name: _field_name(f) for f in parquet.schema_arrow if f.name != "__key__"}
-        row = 0
-        for batch in parquet.iter_batches():
-            for record in batch.to_pylist():
+        rows = parquet.metadata.num_rows
+        low, high = max(start - first, 0), rows if stop is None else min(stop - first, rows)
+        first += rows
+        if low < high:
+            yield from _parquet_rows(url, parquet, low, high)
+
+
+def count_parquet_samples(
+    source: str | Sequence[str], storage_options: dict[str, Any] | None = None
+) -> int:
+    """The rows of the Parquet files of ``source`` (from their footers)."""
+    total = 0
+    for url in expand_sources(source, storage_options):
+        fs, path = url_to_fs(url, **(storage_options or {}))
+        total += pq.read_metadata(path, filesystem=fs).num_rows
+    return total
+
+
+def _parquet_rows(url: str, parquet: pq.ParquetFile, low: int, high: int) -> Iterator[dict]:
+    stem = url.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+    fields = {f.name: _field_name(f) for f in parquet.schema_arrow if f.name != "__key__"}
+    row = 0
+    for batch in parquet.iter_batches():
+        if row + batch.num_rows <= low:
+            row += batch.num_rows
+            continue
+        for record in batch.to_pylist():
+            if low <= row < high:
                 key = record.pop("__key__", None)
                 values = {fields[k]: _as_bytes(v) for k, v in record.items() if v is not None}
                 key = f"{stem}/{row}" if key is None else str(key)
-                row += 1
                 if values:
                     yield {"__key__": key, **values}
                 else:
                     warnings.warn(f"{url}: row {key!r} holds only nulls; left out", stacklevel=2)
+            row += 1
+        if row >= high:
+            return
 
 
 def _field_name(field: pa.Field) -> str:

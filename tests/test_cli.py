@@ -96,3 +96,39 @@ def test_an_index_that_cannot_be_saved_is_an_error(tar_shards, tmp_path, capsys)
         main(["index", str(tmp_path / "shard-000000.tar"), "--index-path", str(blocked)])
     err = capsys.readouterr().err
     assert caught.value.code == 2 and "could not save" in err and str(blocked) in err
+
+
+@pytest.mark.parametrize("kind", ["files", "parquet"])
+def test_convert_split_over_tasks_equals_one_task(tmp_path, kind, capsys):
+    source = tmp_path / "in"
+    source.mkdir()
+    if kind == "files":
+        for key in range(23):
+            (source / f"{key:03d}.txt").write_text(f"text {key}")
+    else:
+        for part, rows in enumerate([10, 0, 13]):
+            table = pa.table({"n": list(range(100 * part, 100 * part + rows))})
+            pq.write_table(table, source / f"p{part}.parquet", row_group_size=4)
+
+    def shards(folder: str, tasks: int) -> dict[str, bytes]:
+        pattern = str(tmp_path / folder / "s-%03d.tar")
+        for task in range(tasks):
+            flags = ["--task-index", str(task), "--num-tasks", str(tasks), "--max-count", "5"]
+            assert main(["convert", str(source), pattern, *flags]) == 0
+        return {p.name: p.read_bytes() for p in (tmp_path / folder).glob("s-*.tar")}
+
+    one, three = shards("one", 1), shards("three", 3)
+    assert len(one) == 5 and one == three
+    assert main(["index", str(tmp_path / "three" / "s-*.tar")]) == 0
+    assert "5 shards, 23 samples" in capsys.readouterr().out
+
+
+def test_convert_task_from_a_slurm_array(tmp_path, monkeypatch):
+    for key in range(4):
+        (tmp_path / f"{key}.txt").write_text("x")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
+    assert (
+        main(["convert", str(tmp_path), str(tmp_path / "o" / "s-%d.tar"), "--max-count", "1"]) == 0
+    )
+    assert sorted(p.name for p in (tmp_path / "o").glob("*.tar")) == ["s-2.tar", "s-3.tar"]
