@@ -335,7 +335,7 @@ def _fetch_parquet(
     columns = batching.concat(parts) if parts else {}
     if "__key__" not in columns:
         stem = info.url.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-        columns["__key__"] = [f"{stem}/{row}" for row in range(start, stop)]
+        columns["__key__"] = list(map(f"{stem}/".__add__, map(str, range(start, stop))))
     return columns
 
 
