@@ -146,3 +146,15 @@ def test_two_torchrun_agents_with_a_c10d_rendezvous_train_like_one(reference, da
         assert agent.returncode == 0, stderr[-4000:]
     assert "validation accuracy" in outputs[0][0] + outputs[1][0]
     assert_same_weights(reference[0] / "last.pt", tmp_path / "last.pt")  # same ranks, same data
+
+
+@pytest.mark.timeout(200)
+def test_precomputed_parameters_give_the_same_weights(reference, data_dir, tmp_path):
+    table = tmp_path / "params"
+    subprocess.run([str(Path(sys.executable).with_name("nnh-precompute")), "--num-samples",
+                    "2048", "--preset", "moderate", "--seed", "0", "--epochs", "2",
+                    "--out", str(table), "--no-progress"],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    run(torchrun(*ARGS, "--data-dir", data_dir, "--run-dir", str(tmp_path / "run"),
+                 "--precomputed", str(table)))  # fmt: skip
+    assert_same_weights(reference[0] / "last.pt", tmp_path / "run" / "last.pt")
