@@ -23,6 +23,17 @@ from nnh_data.checks import check_int, check_pair
 from nnh_data.ranges import DistributedRangeSplitter
 from nnh_data.seeding import as_sample_ids, sample_seeds, stream_key, uniform_draws
 
+__all__ = [
+    "PARAM_NAMES",
+    "AugmentationConfig",
+    "gen_augmentation_params",
+    "gen_augmentation_params_batch",
+    "gen_distributed_augmentation_params",
+    "get_preset",
+    "list_presets",
+    "stream_distributed_augmentation_chain",
+]
+
 PARAM_NAMES = ("rotation", "brightness", "noise", "scale", "contrast")
 
 

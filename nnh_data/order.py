@@ -36,6 +36,22 @@ from nnh_data.checks import check_choice, check_int
 from nnh_data.ranges import DistributedRangeSplitter
 from nnh_data.seeding import GOLDEN, MASK64, mix64_int, sample_seeds, stream_key
 
+__all__ = [
+    "UNEVEN",
+    "EpochOrder",
+    "Intervals",
+    "RankSpan",
+    "WorkerPlan",
+    "base_size",
+    "coalesce",
+    "hashed_permutation",
+    "rank_span",
+    "remaining",
+    "virtual_to_positions",
+    "worker_plan",
+    "worker_range",
+]
+
 Intervals = list[tuple[int, int]]
 UNEVEN = ("pad", "drop")
 _ORDER_DOMAIN = 0x4F52444552  # "ORDER": keeps order keys apart from augmentation keys

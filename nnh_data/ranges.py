@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from nnh_data.checks import check_int
 
+__all__ = ["DistributedRangeSplitter"]
+
 
 class DistributedRangeSplitter:
     """Split ``total_samples`` sample ids into ``world_size`` contiguous ranges.

@@ -16,6 +16,8 @@ from typing import TypeVar
 
 from nnh_data.checks import check_int
 
+__all__ = ["read_ahead"]
+
 T = TypeVar("T")
 R = TypeVar("R")
 _POLL_S = 0.1

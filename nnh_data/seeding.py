@@ -32,6 +32,21 @@ import numpy as np
 
 from nnh_data.checks import check_int
 
+__all__ = [
+    "ALGORITHM_VERSION",
+    "GOLDEN",
+    "MASK64",
+    "MAX_SAMPLE_ID",
+    "RankAwareSeedGenerator",
+    "as_sample_ids",
+    "mix64",
+    "mix64_int",
+    "sample_seeds",
+    "seed_hex",
+    "stream_key",
+    "uniform_draws",
+]
+
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -29,6 +29,17 @@ import numpy as np
 
 from nnh_data.batching import rows_of
 
+__all__ = [
+    "BLOCK",
+    "ZERO_BLOCK",
+    "Parsed",
+    "TarFormatError",
+    "check_checksums",
+    "parse_samples",
+    "parse_samples_loop",
+    "split_name",
+]
+
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
 # name, size, typeflag: the ustar fields read for every member (the ustar prefix only where it is

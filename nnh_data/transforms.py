@@ -57,6 +57,15 @@ from nnh_data.augment import PARAM_NAMES
 from nnh_data.checks import check_choice, check_pair
 from nnh_data.seeding import GOLDEN
 
+__all__ = [
+    "PADDING_MODES",
+    "AugmentModule",
+    "AugmentParams",
+    "apply_augmentation",
+    "key_noise",
+    "mix64_",
+]
+
 PADDING_MODES = ("zeros", "border", "reflection")
 _FIRST_NOISE_DRAW = len(PARAM_NAMES)
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
