@@ -4,7 +4,6 @@ The same script runs under ``python``, ``torchrun`` and ``srun``, on CPU (gloo) 
 an error on one rank stops every rank with the real cause instead of a collective timeout.
 """
 
-from nnh_train._outcome import RankError
 from nnh_train.callbacks import (
     Callback,
     CSVLogger,
@@ -32,6 +31,7 @@ from nnh_train.ddp_decorators import (
 )
 from nnh_train.ddp_init import DEFAULT_TIMEOUT, DistInfo, get_dist_info, initialize_ddp
 from nnh_train.handler import PREEMPTED_EXIT_CODE, NNHandler
+from nnh_train.outcome import RankError
 from nnh_train.slurm import expand_slurm_nodelist, expand_tasks_per_node
 
 __all__ = [

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from nnh_data.checks import check_int
 from nnh_data.gather import gather_for_metrics
 from nnh_data.loaders import create_distributed_loader, create_rank_cached_dataloader
-from nnh_train._outcome import Outcome, pack_value
+from nnh_train.outcome import Outcome, pack_value
 
 __all__ = [
     "_create_distributed_loader",

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nnh_data.checks import check_int
-from nnh_train._outcome import Outcome, pack_error, pack_value
+from nnh_train.outcome import Outcome, pack_error, pack_value
 
 __all__ = [
     "ParallelExecutor",

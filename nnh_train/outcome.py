@@ -13,6 +13,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+__all__ = ["Outcome", "RankError", "pack_error", "pack_value"]
+
 
 class RankError(RuntimeError):
     """An error that happened on ``rank``, raised on every rank of the group.
