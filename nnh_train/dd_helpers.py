@@ -19,6 +19,7 @@ import torch.distributed as dist
 from nnh_data.checks import check_int
 from nnh_data.gather import gather_for_metrics
 from nnh_data.loaders import create_distributed_loader, create_rank_cached_dataloader
+from nnh_data.topology import dist_ready
 from nnh_train.outcome import Outcome, pack_value
 
 __all__ = [
@@ -102,7 +103,7 @@ def broadcast_data(data: Any, src: int = 0) -> Any:
     Example:
         >>> vocab = broadcast_data(build_vocab() if rank == 0 else None)
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not dist_ready():
         raise RuntimeError("broadcast_data needs an initialised process group; "
                            "use broadcast_if_ddp to run with or without one")
     check_int("src", src, low=0, high=dist.get_world_size() - 1)
@@ -115,7 +116,7 @@ def broadcast_data(data: Any, src: int = 0) -> Any:
 
 def broadcast_if_ddp(data: Any, src: int = 0) -> Any:
     """:func:`broadcast_data` in a process group, else ``data`` itself."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not dist_ready():
         return data
     return broadcast_data(data, src)
 
@@ -131,7 +132,7 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
     Example:
         >>> predictions = gather_to_rank0(local_predictions)
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not dist_ready():
         return [obj]
     rank = dist.get_rank()
     mine = pack_value(obj)
@@ -147,7 +148,7 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
 
 
 def _is_distributed(world_size: int) -> bool:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not dist_ready():
         return False
     check_int("world_size", world_size, low=dist.get_world_size(), high=dist.get_world_size())
     return world_size > 1

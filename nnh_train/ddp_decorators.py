@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nnh_data.checks import check_int
+from nnh_data.topology import dist_ready
 from nnh_train.outcome import Outcome, pack_error, pack_value
 
 __all__ = [
@@ -61,7 +62,7 @@ def on_rank(rank: int | Sequence[int], barrier: bool = False) -> Callable[[F], F
     def decorator(func: F) -> F:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not (dist.is_available() and dist.is_initialized()):
+            if not dist_ready():
                 return func(*args, **kwargs)
             return _run_on_ranks(func, ranks, barrier, args, kwargs)
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nnh_data.checks import check_int
+from nnh_data.topology import dist_ready
 from nnh_train.slurm import expand_slurm_nodelist, expand_tasks_per_node
 
 __all__ = ["DEFAULT_TIMEOUT", "DistInfo", "get_dist_info", "initialize_ddp"]
@@ -70,7 +71,7 @@ def initialize_ddp(
     Example:
         >>> distributed, rank, local_rank, world_size, device = initialize_ddp()
     """
-    if dist.is_available() and dist.is_initialized():
+    if dist_ready():
         return None
     return _initialize_distributed(timeout, use_distributed=use_distributed, device=device)
 
@@ -82,7 +83,7 @@ def _initialize_distributed(
     device: torch.device | str | None = None,
 ) -> DistInfo:
     """The work of :func:`initialize_ddp`; :func:`get_dist_info` when already initialised."""
-    if dist.is_available() and dist.is_initialized():
+    if dist_ready():
         return get_dist_info()
     timeout = _as_timedelta(timeout)
     if not _should_use_distributed(use_distributed):
@@ -112,7 +113,7 @@ def get_dist_info() -> DistInfo:
     Example:
         >>> distributed, rank, local_rank, world_size, device = get_dist_info()
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not dist_ready():
         return False, 0, 0, 1, _pick_device(0)
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
