@@ -22,16 +22,16 @@ from nnh_train.dd_helpers import (
     gather_for_metrics,
     gather_to_rank0,
 )
-from nnh_train.ddp_decorators import (
-    ParallelExecutor,
-    WorkerError,
-    on_rank,
-    parallel_on_all_devices,
-    parallelize_on_gpus,
-)
+from nnh_train.ddp_decorators import on_rank
 from nnh_train.ddp_init import DEFAULT_TIMEOUT, DistInfo, get_dist_info, initialize_ddp
 from nnh_train.handler import PREEMPTED_EXIT_CODE, NNHandler
 from nnh_train.outcome import RankError
+from nnh_train.parallel import (
+    ParallelExecutor,
+    WorkerError,
+    parallel_on_all_devices,
+    parallelize_on_gpus,
+)
 from nnh_train.slurm import expand_slurm_nodelist, expand_tasks_per_node
 
 __all__ = [
