@@ -34,7 +34,7 @@ import numpy as np
 
 from nnh_data.checks import check_choice, check_int
 from nnh_data.ranges import DistributedRangeSplitter
-from nnh_data.seeding import GOLDEN, MASK64, mix64_int, sample_seeds, stream_key
+from nnh_data.seeding import fold_key, sample_seeds, stream_key
 
 __all__ = [
     "UNEVEN",
@@ -60,10 +60,7 @@ _SHARDS, _WINDOW = 1, 2
 
 def _order_key(seed: int, epoch: int, *fields: int) -> int:
     """A 64-bit key folded from (seed, epoch) and ``fields``, distinct from augmentation keys."""
-    key = stream_key(seed, epoch, 1)
-    for value in (_ORDER_DOMAIN, *fields):
-        key = mix64_int(((key + GOLDEN) & MASK64) ^ value)
-    return key
+    return fold_key(stream_key(seed, epoch, 1), (_ORDER_DOMAIN, *fields))
 
 
 def hashed_permutation(size: int, key: int) -> np.ndarray:

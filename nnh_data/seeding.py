@@ -36,10 +36,13 @@ __all__ = [
     "ALGORITHM_VERSION",
     "GOLDEN",
     "MASK64",
+    "MIX1",
+    "MIX2",
     "MAX_SAMPLE_ID",
     "RankAwareSeedGenerator",
     "as_sample_ids",
     "mix64",
+    "fold_key",
     "mix64_int",
     "sample_seeds",
     "seed_hex",
@@ -49,8 +52,8 @@ __all__ = [
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64 multipliers
+_M1, _M2 = np.uint64(MIX1), np.uint64(MIX2)
 _DOMAIN_PLAIN = 1
 _DOMAIN_RANK_AWARE = 2
 MAX_SAMPLE_ID = (1 << 63) - 1  # ids travel as int64 (torch collation); 2**63 ids is plenty
@@ -71,8 +74,8 @@ def mix64(z: np.ndarray) -> np.ndarray:
 
 def mix64_int(z: int) -> int:
     """``mix64`` of one Python int (the stream keys): plain int arithmetic, no array round trip."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    z = ((z ^ (z >> 30)) * MIX1) & MASK64
+    z = ((z ^ (z >> 27)) * MIX2) & MASK64
     return z ^ (z >> 31)
 
 
@@ -95,7 +98,12 @@ def stream_key(
         world_size = check_int("world_size", world_size, low=1, high=MASK64)
         rank = check_int("rank", rank, low=0, high=world_size - 1)
         domain, fields = _DOMAIN_RANK_AWARE, (base_seed, rank, world_size, epoch, depth)
-    key = mix64_int(domain)
+    return fold_key(mix64_int(domain), fields)
+
+
+def fold_key(key: int, fields: Sequence[int]) -> int:
+    """``key`` with each of ``fields`` folded in: ``key = mix64((key + G) ^ field)``, the one
+    key derivation of every stream (parameters, order)."""
     for value in fields:
         key = mix64_int(((key + GOLDEN) & MASK64) ^ value)
     return key

@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from nnh_data.augment import PARAM_NAMES
 from nnh_data.checks import check_choice, check_pair
-from nnh_data.seeding import GOLDEN
+from nnh_data.seeding import GOLDEN, MIX1, MIX2
 
 __all__ = [
     "PADDING_MODES",
@@ -68,7 +68,7 @@ __all__ = [
 
 PADDING_MODES = ("zeros", "border", "reflection")
 _FIRST_NOISE_DRAW = len(PARAM_NAMES)
-_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_M1, _M2 = MIX1, MIX2
 _LOW24 = 0xFFFFFF
 _CPU_CHUNK_BYTES = 1 << 20  # float pixels per thread per CPU group: about an L2 cache
 
