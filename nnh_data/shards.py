@@ -1,11 +1,11 @@
-"""Shards and their index: count the samples of tar and Parquet shards, read any range of them.
+"""Reading shards: any sample range of a tar or Parquet shard, through its index.
 
 The dataset layer works on sample ranges ``[start, stop)`` of a shard: :func:`fetch_shard_range`
 does the I/O (one ranged read for tar; for Parquet the rows, converted to Python batch by batch
 while they are in cache; safe in a read-ahead thread) and :func:`decode_shard_range` turns the
 payload into sample dicts (:func:`decode_shard_columns` into columns). The index that makes
-ranges seekable comes from :func:`build_shard_index`, cached in a JSON sidecar
-(:mod:`nnh_data.shard_index`); tar parsing lives in :mod:`nnh_data.tar_format`.
+ranges seekable, and :class:`ShardError`, live in :mod:`nnh_data.shard_index` (re-exported
+here); tar parsing lives in :mod:`nnh_data.tar_format`.
 
 >>> index = build_shard_index("data/train-{000000..000003}.tar")  # doctest: +SKIP
 >>> info = index.shards[0]
@@ -21,33 +21,26 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
-from fsspec.implementations.local import LocalFileSystem
-from tqdm.auto import tqdm
 
 from nnh_data import batching
 from nnh_data.batching import Column, Columns, columns_of, rows_of
-from nnh_data.checks import check_choice, check_int
+from nnh_data.checks import check_int
 from nnh_data.shard_index import (
+    ShardError,
     ShardIndex,
     ShardInfo,
-    cached_infos,
-    default_index_path,
-    file_stats,
-    load_entries,
-    save_entries,
-    updated_entries,
+    StaleIndexError,
+    build_shard_index,
+    row_group_rows,
 )
-from nnh_data.sources import detect_format, expand_sources, shard_filesystem
+from nnh_data.sources import expand_sources
 from nnh_data.tar_format import BLOCK, ZERO_BLOCK, TarFormatError, parse_samples
-from nnh_data.topology import dist_info
 
 __all__ = [
     "ShardError",
@@ -64,174 +57,8 @@ __all__ = [
     "split_shard_range",
 ]
 
-_SCAN_BLOCK = 1 << 20
-_SCAN_THREADS = 16
 _CHUNK_BYTES = 16 << 20  # a decoded piece holds its bytes twice (payload and samples)
 _PARQUET_BATCH = 256  # rows decompressed then converted at a time: they stay in cache
-
-
-class ShardError(RuntimeError):
-    """An unreadable shard: ``url`` and ``position`` (e.g. "sample 3, byte 10240") say where."""
-
-    # One-argument construction is kept because DataLoader re-raises a worker's error as
-    # ``type(error)(message)``.
-    def __init__(self, url: str, position: str = "", reason: str = "") -> None:
-        super().__init__(url, position, reason)
-        self.url = url
-        self.position = position
-        self.reason = reason
-
-    def __str__(self) -> str:
-        if not self.reason:
-            return self.url
-        return f"{self.url}: {self.reason} (at {self.position})"
-
-
-class StaleIndexError(ShardError):
-    """The shard's bytes are not what its index entry says: it was rewritten after indexing.
-
-    Never skipped by ``on_error="skip"``: reading on would yield fewer or more samples than the
-    shard holds. Rebuild the index (``nnh-data index --rebuild SOURCE`` or
-    ``build_shard_index(..., rebuild=True)``).
-    """
-
-    def __init__(self, url: str, position: str = "", reason: str = "") -> None:
-        if reason and "rebuild" not in reason:
-            reason += (
-                ": the shard changed since it was indexed; rebuild the index with "
-                "`nnh-data index --rebuild SOURCE` or build_shard_index(..., rebuild=True)"
-            )
-        super().__init__(url, position, reason)
-
-
-def build_shard_index(
-    source: str | Sequence[str],
-    *,
-    format: str | None = None,
-    storage_options: dict[str, Any] | None = None,
-    index_path: str | None = None,
-    rebuild: bool = False,
-    on_error: str = "raise",
-) -> ShardIndex:
-    """Index the shards of ``source``: sample counts and seek positions, cached in a sidecar.
-
-    Tar counts come from a header-only scan, Parquet counts from footers. The sidecar
-    (``nnh-index.json`` next to the first shard unless ``index_path`` is given) is reused for
-    every shard whose size is unchanged and rewritten when something was scanned.
-    ``on_error="skip"`` keeps unreadable shards with 0 samples and their ``error`` set
-    (with a warning) instead of raising :class:`ShardError`.
-
-    >>> index = build_shard_index("data/train-{000000..000063}.tar")  # doctest: +SKIP
-    >>> index.total_samples, index.offsets()[:3]  # doctest: +SKIP
-    (64000, array([   0, 1000, 2000]))
-    """
-    check_choice("on_error", on_error, ("raise", "skip"))
-    urls = expand_sources(source, storage_options)
-    formats = [detect_format(url, format) for url in urls]
-    fs, paths = shard_filesystem(urls, storage_options)
-    stats = file_stats(fs, paths)
-    index_path = index_path or default_index_path(urls)
-    entries = {} if rebuild else load_entries(index_path, storage_options)
-    infos = cached_infos(urls, formats, stats, entries, index_path)
-    todo = [i for i, info in enumerate(infos) if info is None]
-
-    def scan(i: int) -> ShardInfo:
-        return _scan_or_skip(fs, paths[i], urls[i], formats[i], stats[i], on_error)
-
-    # Threads overlap remote requests; local scans are CPU-bound and run faster without them.
-    threads = 1 if isinstance(fs, LocalFileSystem) else _SCAN_THREADS
-    bar = tqdm(total=len(todo), desc="indexing shards", unit="shard", delay=1.0,
-               disable=not todo or dist_info()[0] != 0)  # fmt: skip
-    with bar, ThreadPoolExecutor(min(threads, max(1, len(todo)))) as pool:
-        for i, info in zip(todo, pool.map(scan, todo)):
-            infos[i] = info
-            bar.update()
-    if todo:
-        _save_or_warn(index_path, updated_entries(entries, infos, index_path), storage_options)
-    return ShardIndex(tuple(infos), index_path)
-
-
-def _save_or_warn(index_path: str, entries: dict, storage_options: dict | None) -> None:
-    try:
-        save_entries(index_path, entries, storage_options)
-    except OSError as exc:  # a read-only dataset is still readable, only slower to open
-        warnings.warn(f"could not save the shard index to {index_path!r}: {exc}", stacklevel=3)
-
-
-def _scan_or_skip(
-    fs: AbstractFileSystem,
-    path: str,
-    url: str,
-    format: str,
-    stat: tuple[int, str],
-    on_error: str,
-) -> ShardInfo:
-    try:
-        return scan_shard(fs, path, url, format, stat)
-    except ShardError as exc:
-        if on_error == "raise":
-            raise
-        warnings.warn(f"skipping unreadable shard: {exc}", stacklevel=4)
-        return ShardInfo(url, format, 0, size=stat[0], error=str(exc), version=stat[1])
-
-
-def scan_shard(
-    fs: AbstractFileSystem, path: str, url: str, format: str, stat: tuple[int, str]
-) -> ShardInfo:
-    """Index one shard (``path`` on ``fs``; ``stat`` its size and version from
-    :func:`file_stats`); raises :class:`ShardError`."""
-    size, version = stat
-    if format == "parquet":
-        try:
-            metadata = pq.read_metadata(path, filesystem=fs)
-        except (pa.ArrowException, OSError) as exc:
-            raise ShardError(url, "footer", f"unreadable Parquet file ({exc})") from exc
-        offsets = [0, *itertools.accumulate(_row_group_rows(metadata))]
-        nullable = _nullable_columns(metadata)
-        return ShardInfo.from_offsets(url, format, offsets, size, version, nullable)
-    try:
-        offsets = _scan_tar(fs, path, size)
-    except TarFormatError as exc:
-        raise ShardError(url, f"byte {exc.offset}", exc.reason) from exc
-    return ShardInfo.from_offsets(url, format, offsets, size, version)
-
-
-def _row_group_rows(metadata: pq.FileMetaData) -> list[int]:
-    return [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
-
-
-def _nullable_columns(metadata: pq.FileMetaData) -> list[str]:
-    """Top-level columns with a null in some row group, or without statistics to tell."""
-    found: dict[str, None] = {}
-    for g in range(metadata.num_row_groups):
-        group = metadata.row_group(g)
-        for c in range(group.num_columns):
-            column = group.column(c)
-            stats = column.statistics
-            if stats is None or not stats.has_null_count or stats.null_count > 0:
-                found[column.path_in_schema.split(".")[0]] = None
-    return list(found)
-
-
-def _scan_tar(fs: AbstractFileSystem, path: str, size: int) -> tuple[int, ...]:
-    """Sample start offsets (then the end) from the headers alone: blocks are read around each
-    header and member data is skipped unless it is a PAX or GNU long-name record."""
-    starts: list[int] = []
-    key = None
-    pos = 0
-    block = _SCAN_BLOCK
-    while pos < size:
-        buf = fs.cat_file(path, start=pos, end=min(pos + block, size))
-        parsed = parse_samples(buf, 0, len(buf), need_data=False, key=key)
-        starts.extend(pos + start for start in parsed.starts)
-        key = parsed.key
-        if parsed.end:
-            return (*starts, pos + parsed.stop)
-        if pos + parsed.stop > size or pos + len(buf) == size and parsed.stop < len(buf):
-            raise TarFormatError(size, "truncated tar (unexpected end of file)")
-        block = block * 2 if parsed.stop == 0 else _SCAN_BLOCK
-        pos += parsed.stop
-    return (*starts, size)
 
 
 def split_shard_range(
@@ -369,7 +196,7 @@ def _parquet_file(info: ShardInfo, storage_options: dict[str, Any] | None) -> pq
     if last is None or last[0] != key:
         fs, path = url_to_fs(info.url, **(storage_options or {}))
         pf = pq.ParquetFile(path, filesystem=fs)
-        rows = [0, *itertools.accumulate(_row_group_rows(pf.metadata))]
+        rows = [0, *itertools.accumulate(row_group_rows(pf.metadata))]
         if not np.array_equal(rows, info.offsets):
             found = f"{rows[-1]} rows in {len(rows) - 1} row groups"
             indexed = f"{info.num_samples} rows in {len(info.offsets) - 1}"

@@ -27,7 +27,7 @@ def test_torchrun_two_ranks_count_equal_batches(tar_shards, tmp_path):
 
 def _index_once(rank: int, world_size: int, urls: list[str], bad: str) -> dict:
     """Build the dataset under a gloo group, counting this rank's shard scans."""
-    import nnh_data.shards as shards
+    import nnh_data.shard_index as shards
     from nnh_data import ShardedStreamingDataset, ShardError
 
     scans = []
