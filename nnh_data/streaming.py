@@ -403,7 +403,7 @@ class ShardedStreamingDataset(IterableDataset):
     def _samples(self, order: EpochOrder, run: _Pass, positions: Intervals, pads: list[int]):
         blocks = read_ahead(self._fetch, self._blocks(order, positions), self.readahead)
         cursor = _Cursor(((b[3], self._decoded(b, payload)) for b, payload in blocks), len)
-        decoded = self._decoded_sample
+        decoded = None if self.decode is None else self._decode_item
         for taken, concat in self._taken(order, cursor, positions):
             stack = _picked(taken, (concat - concat.min()).tolist())
             del taken  # the stack holds the samples now, and lets go of each as it is handed out
@@ -428,27 +428,20 @@ class ShardedStreamingDataset(IterableDataset):
             if sample is not None and sample is not _DONE:
                 yield sample
 
-    @property
-    def _decoded_sample(self) -> Callable[[Any], Any] | None:
-        """``decode`` with its errors named by shard and key (skipped: ``_DONE``), or None."""
-        if self.decode is None:
-            return None
-
-        def decoded(item: Any) -> Any:
-            try:
-                return self.decode(item)
-            except Exception as exc:
-                shards, keys = item["__shard__"], item["__key__"]
-                url, key = (shards, keys) if isinstance(keys, str) else (shards[0], keys[0])
-                error = ShardError(url, f"sample {key!r}", f"decode raised {exc!r}")
-                if self.on_error == "raise":
-                    raise error from exc
-                count = 1 if isinstance(keys, str) else len(keys)
-                self._skip(error)
-                self._count_skipped(self._shard_number[url], count)
-                return _DONE
-
-        return decoded
+    def _decode_item(self, item: Any) -> Any:
+        """``decode(item)`` (a sample or a batch), its errors named by shard and key; ``_DONE``
+        when it raised and ``on_error="skip"`` left the item out."""
+        try:
+            return self.decode(item)
+        except Exception as exc:
+            shards, keys = item["__shard__"], item["__key__"]
+            url, key = (shards, keys) if isinstance(keys, str) else (shards[0], keys[0])
+            error = ShardError(url, f"sample {key!r}", f"decode raised {exc!r}")
+            if self.on_error == "raise":
+                raise error from exc
+            self._skip(error)
+            self._count_skipped(self._shard_number[url], 1 if isinstance(keys, str) else len(keys))
+            return _DONE
 
     def _pad(self, order: EpochOrder, position: int) -> dict | None:
         block = _pad_block(order, position)
@@ -503,10 +496,9 @@ class ShardedStreamingDataset(IterableDataset):
             if not keep:
                 return None
             batch = batching.take(batch, np.array(keep, dtype=np.int64))
-        decoded = self._decoded_sample
-        if decoded is None:
+        if self.decode is None:
             return batch
-        batch = decoded(batch)
+        batch = self._decode_item(batch)
         return None if batch is _DONE else batch
 
     def _columns(self, block: tuple[int, int, int, int], payload: object) -> Columns:
