@@ -54,6 +54,7 @@ _SOURCE_SEED, _PHASE = 1, 2
 _PHASE_BITS = 53
 _NEAR = 2.0**-48  # float times closer than this are ordered exactly (float error is < 2**-51)
 _SETTINGS = ("weight", "repeat", "choose")
+_KEPT_ORDERS = 4  # cycle orders a SourceDraws keeps
 
 
 # ---------------------------------------------------------------- sources and counts
@@ -188,9 +189,9 @@ def _check_pool(sources: Sequence[Source], pool: Sequence[int]) -> None:
     unset = [s for s in pool if sources[s].weight is None]
     if weighted and unset:
         raise ValueError(
-            f"{_label(sources, unset)} have no weight, repeat or choose while "
-            f"{_label(sources, weighted)} have a weight; give each a weight, "
-            "or repeat=1 to read it once per epoch"
+            "weights on some sources and no setting on others is ambiguous: weighted "
+            f"{_label(sources, weighted)}; no weight, repeat or choose: {_label(sources, unset)}; "
+            "give each a weight, or repeat=1 to read it once per epoch"
         )
 
 
@@ -245,8 +246,8 @@ def _largest_remainder(quotas: Sequence[Fraction], total: int) -> list[int]:
 def _check_empty(sources: Sequence[Source], sizes: Sequence[int], counts: Sequence[int]) -> None:
     empty = [s for s, (n, c) in enumerate(zip(sizes, counts)) if c and not n]
     if empty:
-        asked = ", ".join(str(counts[s]) for s in empty)
-        raise ValueError(f"{_label(sources, empty)} have 0 samples but are asked for {asked} draws")
+        asked = ", ".join(f"{_label(sources, [s])} asked for {counts[s]}" for s in empty)
+        raise ValueError(f"sources of 0 samples cannot be drawn: {asked}")
 
 
 # ---------------------------------------------------------------- one source's draws
@@ -359,6 +360,9 @@ class SourceDraws:
     seed: int
     draws: int
     window: int = 1024
+    _orders: dict[int, EpochOrder] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "counts", tuple(self.counts))
@@ -374,8 +378,13 @@ class SourceDraws:
         return sum(self.counts)
 
     def order(self, cycle: int) -> EpochOrder:
-        """The order of cycle ``cycle`` (one whole pass of the source)."""
-        return EpochOrder(self.counts, self.seed, cycle, self.window)
+        """The order of cycle ``cycle`` (one whole pass of the source); the last few are kept,
+        since an epoch's windows ask for the same one or two cycles again and again."""
+        if cycle not in self._orders:
+            if len(self._orders) >= _KEPT_ORDERS:
+                self._orders.clear()
+            self._orders[cycle] = EpochOrder(self.counts, self.seed, cycle, self.window)
+        return self._orders[cycle]
 
     def segments(self, epoch: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """Draws ``[lo, hi)`` of ``epoch`` as ``(cycle, a, b)`` (see :func:`draw_segments`)."""
@@ -385,6 +394,7 @@ class SourceDraws:
         """For ids drawn in cycle ``cycle`` during ``epoch``: how many earlier cycles of this
         epoch's draws hold each (0 for a first occurrence). O(shards + len(ids) + window)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        epoch = check_int("epoch", epoch, low=0)
         first, start = divmod(epoch * self.draws, self.size or 1)
         last = first if not self.draws else ((epoch + 1) * self.draws - 1) // self.size
         cycle = check_int("cycle", cycle, low=first, high=last)

@@ -131,16 +131,16 @@ def test_plan_counts_table(sources, sizes, epoch_size, expected):
             [Source("a", weight=0.5, name="big"), Source("b"), Source("c")],
             [10, 10, 10],
             None,
-            r"sources 1, 2 have no weight.*source 0 \('big'\) have a weight",
+            r"ambiguous: weighted source 0 \('big'\); no weight, repeat or choose: sources 1, 2;",
         ),
         (
             [Source("a", weight=0.5), Source("b", weight=0.5, name="e")],
             [10, 0],
             20,
-            r"source 1 \('e'\) have 0 samples but are asked for 10 draws",
+            r"sources of 0 samples cannot be drawn: source 1 \('e'\) asked for 10$",
         ),
-        ([Source("a", choose=3)], [0], None, "source 0 have 0 samples but are asked for 3"),
-        (_plain(2), [0, 0], 5, "sources 0, 1 have 0 samples but are asked for 3, 2 draws"),
+        ([Source("a", choose=3)], [0], None, "cannot be drawn: source 0 asked for 3$"),
+        (_plain(2), [0, 0], 5, "cannot be drawn: source 0 asked for 3, source 1 asked for 2$"),
     ],
 )
 def test_plan_counts_errors(sources, sizes, epoch_size, message):
@@ -439,3 +439,13 @@ def test_mixed_order_errors(call, message):
 def test_empty_mix():
     source, draw = MixedOrder((0, 0)).assign(0, 0)
     assert source.size == draw.size == 0
+
+
+def test_source_draws_keeps_recent_cycle_orders():
+    src = SourceDraws((3, 4), seed=5, draws=7, window=2)
+    assert src.order(1) is src.order(1)
+    for cycle in range(10):
+        expected = EpochOrder((3, 4), 5, cycle, 2).sample_ids(np.arange(7))
+        assert src.order(cycle).sample_ids(np.arange(7)).tolist() == expected.tolist()
+    assert src == SourceDraws((3, 4), seed=5, draws=7, window=2)
+    assert hash(src) == hash(SourceDraws((3, 4), seed=5, draws=7, window=2))
