@@ -9,20 +9,19 @@
 - ``parquet_shards(counts, *, row_group_size=4, name="part") -> list[str]``: one Parquet file
   per item of ``counts``; row g has columns ``id`` (int g) and ``text`` (``f"row {g}"``).
 - ``shards(format, counts) -> list[str]``: tar or Parquet (3 rows per row group) shards.
-- ``sample_bytes(g, size) -> bytes``: the ``bin`` payload of sample g (a plain function).
 - ``moto_s3``: a session-wide ``moto_server`` on a free 127.0.0.1 port; yields an ``S3Server``
   with ``endpoint``, ``storage_options`` (for fsspec/s3fs) and ``bucket(name)`` -> "s3://name"
   (created, empty). The server process is stopped at the end.
+
+The plain functions behind them (``sample_bytes``, ``numbered_samples``, ``write_tar``) are in
+``tests/support.py``.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import socket
 import subprocess
 import sys
-import tarfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -33,32 +32,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.support import free_port, numbered_samples, write_tar
+
 MOTO_SERVER = Path(sys.executable).with_name("moto_server")
-
-
-def sample_bytes(g: int, size: int) -> bytes:
-    """The deterministic ``bin`` payload of sample ``g``."""
-    return (g.to_bytes(8, "little") * (size // 8 + 1))[:size]
-
-
-def write_tar(path: Path, samples: list[dict], *, pax: bool) -> None:
-    """Write samples as tar members ``key.field`` (fields sorted, like webdataset)."""
-    form = tarfile.PAX_FORMAT if pax else tarfile.USTAR_FORMAT
-    with tarfile.open(path, "w", format=form) as tar:
-        for sample in samples:
-            for field in sorted(k for k in sample if k != "__key__"):
-                info = tarfile.TarInfo(f"{sample['__key__']}.{field}")
-                info.size = len(sample[field])
-                info.mtime = time.time() if pax else 0
-                tar.addfile(info, io.BytesIO(sample[field]))
-
-
-def numbered_samples(first: int, count: int, size: int) -> list[dict]:
-    """Samples ``first`` to ``first + count - 1`` as the fixtures number them."""
-    return [
-        {"__key__": f"{g:08d}", "cls": str(g).encode(), "bin": sample_bytes(g, size)}
-        for g in range(first, first + count)
-    ]
 
 
 @pytest.fixture
@@ -108,12 +84,6 @@ class S3Server:
         return f"s3://{name}"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _wait_until_up(endpoint: str, process: subprocess.Popen, seconds: float = 30) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -129,7 +99,7 @@ def _wait_until_up(endpoint: str, process: subprocess.Popen, seconds: float = 30
 
 @pytest.fixture(scope="session")
 def moto_s3() -> Iterator[S3Server]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
     process = subprocess.Popen(
         [str(MOTO_SERVER), "-H", "127.0.0.1", "-p", str(port)],

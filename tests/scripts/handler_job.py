@@ -1,6 +1,6 @@
-"""Started by tests/test_handler_preempt.py, one process per rank (torchrun's variables set):
-train a small MLP with dropout for 3 epochs, checkpointing into FOLDER (``last.pt``, also the
-preemption save), and save the end state to ``FOLDER/final.pt``.
+"""Started by tests/nnh_train/test_handler_preempt.py, one process per rank (torchrun's
+variables set): train a small MLP with dropout for 3 epochs, checkpointing into FOLDER
+(``last.pt``, also the preemption save), and save the end state to ``FOLDER/final.pt``.
 
     python handler_job.py FOLDER [--resume PATH] [--every N] [--slow SECONDS] [--requeue]
 
@@ -18,11 +18,10 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from test_handler import Net, data  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from nnh_train.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from nnh_train.handler import NNHandler  # noqa: E402
+from tests.support import Net, data  # noqa: E402
 
 
 class Progress(Callback):

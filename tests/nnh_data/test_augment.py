@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +20,9 @@ from nnh_data import (
     list_presets,
     stream_distributed_augmentation_chain,
 )
+from tests.support import DATA
 
-GOLDEN = Path(__file__).parent / "data" / "golden_params.json"
+GOLDEN = DATA / "golden_params.json"
 
 
 # --- configuration and presets -------------------------------------------------------------

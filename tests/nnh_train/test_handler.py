@@ -9,30 +9,12 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from nnh_data import ShardedStreamingDataset
 from nnh_train.callbacks import CSVLogger
 from nnh_train.handler import NNHandler
-
-
-class Net(nn.Module):
-    """A 2-layer MLP with dropout, so that an exact resume also needs the generator states."""
-
-    def __init__(self, hidden: int = 8, dropout: float = 0.2) -> None:
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Linear(4, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 1)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-
-def data(n: int, seed: int = 0) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, generator=generator)
-    return TensorDataset(x, x.sum(1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=generator))
+from tests.support import Net, data
 
 
 def handler(train=None, batch_size: int = 8, seed: int = 0, **loader_kwargs) -> NNHandler:

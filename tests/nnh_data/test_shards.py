@@ -10,7 +10,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
-from conftest import sample_bytes
 
 from nnh_data.shards import (
     ShardError,
@@ -20,6 +19,7 @@ from nnh_data.shards import (
     iter_shard_samples,
     split_shard_range,
 )
+from tests.support import sample_bytes
 
 
 def read_all(index) -> list[dict]:

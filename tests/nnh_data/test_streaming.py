@@ -15,12 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 from torch.utils.data import DataLoader
-from worker_sim import simulated
 
 from nnh_data.augment import gen_augmentation_params, gen_distributed_augmentation_params
 from nnh_data.shards import ShardError, build_shard_index
 from nnh_data.streaming import ShardedStreamingDataset
 from nnh_data.topology import dist_info
+from tests.support import simulated
 
 LAYOUTS = {"uneven": [7, 1, 12, 3], "empty": [5, 0, 6, 0, 0], "one": [9], "few": [4, 3]}
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")

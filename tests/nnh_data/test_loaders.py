@@ -10,7 +10,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from dist_harness import run_distributed
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from nnh_data import (
@@ -24,6 +23,7 @@ from nnh_data import (
     write_shards,
 )
 from nnh_data.loaders import default_num_workers, nbytes
+from tests.support import run_distributed
 
 N = 23  # not divisible by world size x batch size for 2 or 3 ranks and batches of 4
 BATCH = {"batch_size": 4, "num_workers": 0}

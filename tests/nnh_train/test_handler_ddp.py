@@ -10,14 +10,14 @@ import os
 
 import pytest
 import torch
-from dist_harness import run_distributed
-from test_handler import Net, data, stream_handler
 from torch import nn
 
 from nnh_data import write_shards
 from nnh_train.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint
 from nnh_train.checkpoint import load_checkpoint
 from nnh_train.handler import NNHandler
+from tests.nnh_train.test_handler import Net, data, stream_handler
+from tests.support import run_distributed
 
 WORLD = 2
 NAN_AT = 5  # the optimizer step at which rank 1's loss turns NaN

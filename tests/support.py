@@ -1,33 +1,64 @@
-"""Run a test function on N real gloo processes, with a hard timeout and the failing rank named.
+"""Helpers shared by the tests (fixtures are in ``conftest.py``): paths, a runner for real gloo
+processes, a DataLoader-worker simulator, sample payloads and the handler tests' model and data.
 
-    from dist_harness import run_distributed
+    from tests.support import run_distributed
 
     def check_sum(rank, world_size, scale):      # module level: the processes import it by name
         t = torch.tensor([rank * scale]); dist.all_reduce(t); return t.item()
 
     assert run_distributed(check_sum, 3, 2.0) == [6.0, 6.0, 6.0]
 
-Each process gets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT`` on a free port) and no ``SLURM_*`` ones, so code that reads the launch
-environment behaves as under ``torchrun``. With ``init_group=True`` (default) a gloo group is
-ready when the function starts; with ``False`` the function initialises it itself.
+``run_distributed``: each process gets torchrun's variables (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` on a free port) and no ``SLURM_*`` ones, so code
+that reads the launch environment behaves as under ``torchrun``. With ``init_group=True``
+(default) a gloo group is ready when the function starts; with ``False`` the function
+initialises it itself.
+
+``simulated(ds, workers, monkeypatch)`` is what ``DataLoader(ds, num_workers=workers)`` yields
+(workers one after the other instead of interleaved): the dataset discovers its worker through
+:func:`nnh_data.topology.worker_info`, which the ``WORKER``/``NUM_WORKERS`` environment
+variables override. Fast enough for large test grids; a few tests run real workers and check
+they agree.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import socket
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import TensorDataset
 
-__all__ = ["DistributedRunError", "free_port", "run_distributed"]
+__all__ = [
+    "DATA",
+    "ROOT",
+    "SCRIPTS",
+    "DistributedRunError",
+    "Net",
+    "data",
+    "free_port",
+    "numbered_samples",
+    "run_distributed",
+    "sample_bytes",
+    "simulated",
+    "write_tar",
+]
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+SCRIPTS = ROOT / "tests" / "scripts"  # programs the tests start as processes
+DATA = ROOT / "tests" / "data"  # files the tests compare against
 
 
 class DistributedRunError(AssertionError):
@@ -113,3 +144,61 @@ def _load(folder: str, rank: int) -> Any:
         raise DistributedRunError(f"rank {rank} exited without a result (os._exit or sys.exit?)")
     with open(path, "rb") as fh:
         return pickle.load(fh)
+
+
+def simulated(ds, workers: int, monkeypatch) -> list:
+    """Items of ``ds`` as ``workers`` DataLoader workers (0: the main process) yield them."""
+    if workers == 0:
+        return list(ds)
+    out = []
+    for k in range(workers):
+        with monkeypatch.context() as patch:
+            patch.setenv("WORKER", str(k))
+            patch.setenv("NUM_WORKERS", str(workers))
+            out += list(ds)
+    return out
+
+
+def sample_bytes(g: int, size: int) -> bytes:
+    """The deterministic ``bin`` payload of sample ``g``."""
+    return (g.to_bytes(8, "little") * (size // 8 + 1))[:size]
+
+
+def write_tar(path: Path, samples: list[dict], *, pax: bool) -> None:
+    """Write samples as tar members ``key.field`` (fields sorted, like webdataset)."""
+    form = tarfile.PAX_FORMAT if pax else tarfile.USTAR_FORMAT
+    with tarfile.open(path, "w", format=form) as tar:
+        for sample in samples:
+            for field in sorted(k for k in sample if k != "__key__"):
+                info = tarfile.TarInfo(f"{sample['__key__']}.{field}")
+                info.size = len(sample[field])
+                info.mtime = time.time() if pax else 0
+                tar.addfile(info, io.BytesIO(sample[field]))
+
+
+def numbered_samples(first: int, count: int, size: int) -> list[dict]:
+    """Samples ``first`` to ``first + count - 1`` as the fixtures number them."""
+    return [
+        {"__key__": f"{g:08d}", "cls": str(g).encode(), "bin": sample_bytes(g, size)}
+        for g in range(first, first + count)
+    ]
+
+
+class Net(nn.Module):
+    """A 2-layer MLP with dropout, so that an exact resume also needs the generator states."""
+
+    def __init__(self, hidden: int = 8, dropout: float = 0.2) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(4, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 1)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def data(n: int, seed: int = 0) -> TensorDataset:
+    """``n`` samples of 4 features and a noisy sum of them as the target."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=generator)
+    return TensorDataset(x, x.sum(1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=generator))

@@ -8,14 +8,13 @@ import shlex
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from nnh_data.precompute import MANIFEST_NAME, verify_precomputed_params
 from nnh_data.precompute_cli import main
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 START = ROOT.parent / "shared" / "slurm" / "start-local-slurm.sh"
 ARGS = ["--num-samples", "40000", "--epochs", "2", "--preset", "moderate", "--seed", "4",
         "--rows-per-file", "5000", "--no-progress"]  # fmt: skip  # 16 files, 2 a task

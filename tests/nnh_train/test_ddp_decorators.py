@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_distributed
 
 from nnh_train import (
     ParallelExecutor,
@@ -21,6 +20,7 @@ from nnh_train import (
     parallel_on_all_devices,
     parallelize_on_gpus,
 )
+from tests.support import run_distributed
 
 GROUP_TIMEOUT_S = 30.0  # run_distributed gives the group half of its timeout
 CUDA = torch.cuda.is_available()

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parent / "scripts" / "streaming_ddp_count.py"
+from tests.support import SCRIPTS
+
+SCRIPT = SCRIPTS / "streaming_ddp_count.py"
 
 
 @pytest.mark.timeout(180)
@@ -44,7 +45,7 @@ def _index_once(rank: int, world_size: int, urls: list[str], bad: str) -> dict:
 
 @pytest.mark.timeout(120)
 def test_the_index_is_built_once_under_ddp(tar_shards, tmp_path):
-    from dist_harness import run_distributed
+    from tests.support import run_distributed
 
     urls = tar_shards([3, 4, 5])
     bad = tmp_path / "bad.tar"

@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-import test_precompute_slurm
-import test_train_minimal as e2e
-from test_train_minimal import ARGS, ROOT, SCRIPT, assert_same_weights, env
+
+import tests.examples.test_train_minimal as e2e
+from tests.examples.test_train_minimal import ARGS, SCRIPT, assert_same_weights, env
+from tests.nnh_data import test_precompute_slurm
+from tests.support import ROOT
 
 data_dir, reference = e2e.data_dir, e2e.reference  # its module-scoped fixtures, used here too
 cluster = test_precompute_slurm.cluster  # skips unless the loopback Slurm answers (or starts)

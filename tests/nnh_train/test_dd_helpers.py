@@ -8,7 +8,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-from dist_harness import run_distributed
 
 from nnh_train import (
     RankError,
@@ -18,6 +17,7 @@ from nnh_train import (
     broadcast_if_ddp,
     gather_to_rank0,
 )
+from tests.support import run_distributed
 
 CPU = torch.device("cpu")
 

@@ -8,12 +8,10 @@ import os
 import subprocess
 import sys
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_distributed
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,9 +30,9 @@ from nnh_train.ddp_init import (
     get_dist_info,
     initialize_ddp,
 )
+from tests.support import ROOT, SCRIPTS, run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
-JOB = str(ROOT / "tests" / "scripts" / "ddp_job.py")
+JOB = str(SCRIPTS / "ddp_job.py")
 CPU = torch.device("cpu")
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
 SRUN = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",

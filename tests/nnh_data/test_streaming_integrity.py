@@ -10,10 +10,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import numbered_samples, write_tar
 from torch.utils.data import DataLoader
 
 from nnh_data import ShardedStreamingDataset, ShardError, StaleIndexError, build_shard_index
+from tests.support import numbered_samples, write_tar
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,15 +14,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_streaming import LAYOUTS
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
-from worker_sim import simulated
 
 from nnh_data.augment import PARAM_NAMES
 from nnh_data.shards import build_shard_index
 from nnh_data.streaming import ShardedStreamingDataset, state_from_loader
 from nnh_data.transforms import apply_augmentation
+from tests.nnh_data.test_streaming import LAYOUTS
+from tests.support import simulated
 
 SETTINGS = {"seed": 5, "shuffle_window": 4}
 pytestmark = pytest.mark.filterwarnings(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from dist_harness import run_distributed
 
 from nnh_data import gather_for_metrics
+from tests.support import run_distributed
 
 # rank 1 holds nothing; rank 2 repeats id 0 (a pad, with another value: the first one is kept)
 IDS = {0: [4, 0, 8], 1: [], 2: [1, 2, 3, 5, 6, 7, 9, 0]}

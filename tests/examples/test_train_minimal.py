@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT
+
 SCRIPT = ROOT / "examples" / "train_minimal.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 RUN_TIMEOUT = 150

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_harness import free_port
 
 from nnh_train.checkpoint import load_checkpoint
 from nnh_train.handler import PREEMPTED_EXIT_CODE
+from tests.support import SCRIPTS, free_port
 
-SCRIPT = Path(__file__).parent / "scripts" / "handler_job.py"
+SCRIPT = SCRIPTS / "handler_job.py"
 WORLD = 2
 
 

@@ -8,10 +8,10 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from test_handler import handler
 
 from nnh_train.callbacks import EarlyStopping, ModelCheckpoint, TensorBoardLogger
 from nnh_train.checkpoint import load_checkpoint
+from tests.nnh_train.test_handler import handler
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
