@@ -1,11 +1,11 @@
 """Reading shards: any sample range of a tar or Parquet shard, through its index.
 
-The dataset layer works on sample ranges ``[start, stop)`` of a shard: :func:`fetch_shard_range`
-does the I/O (one ranged read for tar; for Parquet the rows, converted to Python batch by batch
-while they are in cache; safe in a read-ahead thread) and :func:`decode_shard_range` turns the
-payload into sample dicts (:func:`decode_shard_columns` into columns). The index that makes
-ranges seekable, and :class:`ShardError`, live in :mod:`nnh_data.shard_index` (re-exported
-here); tar parsing lives in :mod:`nnh_data.tar_format`.
+The dataset layer works on sample ranges ``[start, stop)`` of a shard: a :class:`ShardReader`
+(one per pass; :func:`fetch_shard_range` for a single read) does the I/O, one ranged read for
+tar and, for Parquet, the rows as columns (:mod:`nnh_data.parquet_format`);
+:func:`decode_shard_range` turns the payload into sample dicts and :func:`decode_shard_columns`
+into columns. The index that makes ranges seekable, and :class:`ShardError`, live in
+:mod:`nnh_data.shard_index` (re-exported here); tar parsing lives in :mod:`nnh_data.tar_format`.
 
 >>> index = build_shard_index("data/train-{000000..000003}.tar")  # doctest: +SKIP
 >>> info = index.shards[0]
@@ -15,29 +15,22 @@ here); tar parsing lives in :mod:`nnh_data.tar_format`.
 
 from __future__ import annotations
 
-import itertools
-import os
-import threading
 import warnings
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
-from nnh_data import batching
-from nnh_data.batching import Column, Columns, columns_of, rows_of
+from nnh_data.batching import Columns, columns_of, rows_of
 from nnh_data.checks import check_int
+from nnh_data.parquet_format import ParquetReader
 from nnh_data.shard_index import (
     ShardError,
     ShardIndex,
     ShardInfo,
     StaleIndexError,
     build_shard_index,
-    row_group_rows,
 )
 from nnh_data.sources import expand_sources
 from nnh_data.tar_format import BLOCK, ZERO_BLOCK, TarFormatError, parse_samples
@@ -47,6 +40,7 @@ __all__ = [
     "StaleIndexError",
     "ShardIndex",
     "ShardInfo",
+    "ShardReader",
     "build_shard_index",
     "decode_shard_columns",
     "decode_shard_range",
@@ -58,7 +52,6 @@ __all__ = [
 ]
 
 _CHUNK_BYTES = 16 << 20  # a decoded piece holds its bytes twice (payload and samples)
-_PARQUET_BATCH = 256  # rows decompressed then converted at a time: they stay in cache
 
 
 def split_shard_range(
@@ -92,6 +85,48 @@ def _piece(offsets: np.ndarray, position: int) -> int:
     return int(np.searchsorted(offsets, position, "right")) - 1
 
 
+class ShardReader:
+    """Reads what sample ranges of shards need, for one pass of one worker (one thread at a
+    time): tar byte ranges in one read each, Parquet rows through a :class:`ParquetReader`
+    that keeps the shard being read open. ``nullable``: the Parquet columns to give as lists
+    (default: each shard's own ``info.nullable``; a dataset passes the union over its shards,
+    so a column has one type in every batch)."""
+
+    def __init__(
+        self,
+        storage_options: dict[str, Any] | None = None,
+        nullable: Sequence[str] | None = None,
+    ) -> None:
+        self.storage_options = storage_options
+        self._parquet = ParquetReader(storage_options, nullable)
+
+    def fetch(self, info: ShardInfo, start: int, stop: int) -> bytes | Columns:
+        """See :func:`fetch_shard_range`."""
+        check_int("start", start, low=0, high=info.num_samples)
+        check_int("stop", stop, low=start, high=info.num_samples)
+        if info.format == "parquet":
+            return self._parquet.read(info, start, stop)
+        low, high = int(info.offsets[start]), int(info.offsets[stop])
+        # The shard's last range also reads the block after it: the end-of-archive marker there
+        # proves the index saw every sample (a rewritten shard often keeps its size).
+        end = high + BLOCK if stop == info.num_samples and high + BLOCK <= info.size else high
+        if low == end:
+            return b""
+        try:
+            fs, path = url_to_fs(info.url, **(self.storage_options or {}))
+            data = fs.cat_file(path, start=low, end=end)
+        except OSError as exc:
+            raise ShardError(info.url, _tar_position(info, low), f"unreadable ({exc})") from exc
+        if len(data) < end - low:
+            position = _tar_position(info, low + len(data))
+            raise ShardError(info.url, position, "truncated tar (unexpected end of file)")
+        return data
+
+    def close(self) -> None:
+        """Let go of open files."""
+        self._parquet.close()
+
+
 def fetch_shard_range(
     info: ShardInfo,
     start: int,
@@ -100,134 +135,32 @@ def fetch_shard_range(
     storage_options: dict[str, Any] | None = None,
     nullable: Sequence[str] | None = None,
 ) -> bytes | Columns:
-    """Read what samples ``[start, stop)`` of the shard need (thread-safe).
+    """Read what samples ``[start, stop)`` of the shard need.
 
     Tar: their byte range in one read (``bytes``). Parquet: their rows as columns, ``__key__``
-    added (the file's stem and row number unless the file has a ``__key__`` column). Numeric
-    and boolean columns come as numpy arrays, except those named in ``nullable`` (default: the
-    shard's own ``info.nullable``; a dataset passes the union over its shards, so a column has
-    one type in every batch): those, and every other type, as lists of Python values with
-    ``None`` for nulls. Raises :class:`ShardError` when the shard cannot be read and
-    :class:`StaleIndexError` when it does not match its index.
+    added (the file's stem and row number unless the file has a ``__key__`` column); numeric
+    and boolean columns as numpy arrays except those named in ``nullable`` (default: the
+    shard's own ``info.nullable``), which come, like every other type, as lists of Python
+    values with ``None`` for nulls. Raises :class:`ShardError` when the shard cannot be read
+    and :class:`StaleIndexError` when it does not match its index. To read many ranges, keep
+    one :class:`ShardReader` (it keeps a Parquet file open between reads).
     """
-    nullable = info.nullable if nullable is None else nullable
-    check_int("start", start, low=0, high=info.num_samples)
-    check_int("stop", stop, low=start, high=info.num_samples)
-    if info.format == "parquet":
-        return _fetch_parquet(info, start, stop, storage_options, frozenset(nullable or ()))
-    fs, path = url_to_fs(info.url, **(storage_options or {}))
-    low, high = int(info.offsets[start]), int(info.offsets[stop])
-    # The shard's last range also reads the block after it: the end-of-archive marker there
-    # proves the index saw every sample (a rewritten shard often keeps its size).
-    end = high + BLOCK if stop == info.num_samples and high + BLOCK <= info.size else high
-    if low == end:
-        return b""
-    try:
-        data = fs.cat_file(path, start=low, end=end)
-    except OSError as exc:
-        raise ShardError(info.url, _tar_position(info, low), f"unreadable ({exc})") from exc
-    if len(data) < end - low:
-        position = _tar_position(info, low + len(data))
-        raise ShardError(info.url, position, "truncated tar (unexpected end of file)")
-    return data
-
-
-def _fetch_parquet(
-    info: ShardInfo,
-    start: int,
-    stop: int,
-    storage_options: dict[str, Any] | None,
-    nullable: frozenset[str],
-) -> Columns:
-    first = _piece(info.offsets, start)
-    groups = range(first, max(first, int(np.searchsorted(info.offsets, stop))))
-    skip, rows = start - int(info.offsets[first]), stop - start
-    parts = []
-    try:
-        pf = _parquet_file(info, storage_options)
-        batches = pf.iter_batches(_PARQUET_BATCH, row_groups=groups, use_threads=False)
-        while rows:
-            batch = next(batches)
-            if skip < batch.num_rows:
-                part = batch.slice(skip, rows)
-                names = part.schema.names
-                parts.append(
-                    {n: _column_values(info, n, c, n in nullable) for n, c in zip(names, part)}
-                )
-                rows -= part.num_rows
-            skip = max(0, skip - batch.num_rows)
-    except (pa.ArrowException, OSError, StopIteration) as exc:
-        position = f"row group {first} (sample {start})"
-        raise ShardError(info.url, position, f"unreadable Parquet file ({exc!r})") from exc
-    columns = batching.concat(parts) if parts else {}
-    if "__key__" not in columns:
-        stem = info.url.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-        columns["__key__"] = list(map(f"{stem}/".__add__, map(str, range(start, stop))))
-    return columns
-
-
-def _column_values(info: ShardInfo, name: str, column: pa.Array, as_list: bool) -> Column:
-    """Numeric and boolean columns as numpy, unless ``as_list`` (the column is nullable in the
-    dataset): then, like every other type, a list of Python values (``None`` for nulls)."""
-    kind = column.type
-    numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
-    if numeric and not as_list:
-        if column.null_count:
-            raise StaleIndexError(info.url, f"column {name!r}", "a null the index did not list")
-        return column.to_numpy(zero_copy_only=False)
-    return column.to_pylist()
-
-
-_open_files = threading.local()
-
-
-def forget_open_files() -> None:
-    """Close this thread's kept-open Parquet file: the streaming dataset calls it at the start
-    of each pass, so a file rewritten between passes is read afresh."""
-    _open_files.__dict__.pop("last", None)
-
-
-def _parquet_file(info: ShardInfo, storage_options: dict[str, Any] | None) -> pq.ParquetFile:
-    """The open ``ParquetFile`` of a shard: the last one opened by this thread is kept, so
-    reading a shard block after block opens it (and parses its footer) once. A forked
-    DataLoader worker opens its own (a remote file object must not cross a fork)."""
-    key = (os.getpid(), info.url, info.size, storage_options)
-    last = getattr(_open_files, "last", None)
-    if last is None or last[0] != key:
-        fs, path = url_to_fs(info.url, **(storage_options or {}))
-        pf = pq.ParquetFile(path, filesystem=fs)
-        rows = [0, *itertools.accumulate(row_group_rows(pf.metadata))]
-        if not np.array_equal(rows, info.offsets):
-            found = f"{rows[-1]} rows in {len(rows) - 1} row groups"
-            indexed = f"{info.num_samples} rows in {len(info.offsets) - 1}"
-            raise StaleIndexError(info.url, "footer", f"the file has {found}, the index {indexed}")
-        _open_files.last = (key, pf)
-    return _open_files.last[1]
+    return ShardReader(storage_options, nullable).fetch(info, start, stop)
 
 
 def decode_shard_range(
-    info: ShardInfo,
-    payload: bytes | Columns,
-    start: int,
-    stop: int,
-    constants: Mapping[str, Any] | None = None,
+    info: ShardInfo, payload: bytes | Columns, start: int, stop: int
 ) -> Iterator[dict]:
     """Samples ``[start, stop)`` from the payload of :func:`fetch_shard_range`, in shard order.
 
     Tar samples hold ``__key__`` and one ``bytes`` value per member, named by its extension as
     webdataset names it ("jpg", "seg.png"); Parquet samples hold one Python value per column and
-    ``__key__`` (the ``__key__`` column, else the row number in the shard). ``constants`` are
-    set in every sample as the dicts are built (the streaming dataset's ``__shard__``).
+    ``__key__`` (the ``__key__`` column, else the row number in the shard).
     """
-    constants = constants or {}
     if info.format == "parquet":
         columns = [c.tolist() if isinstance(c, np.ndarray) else c for c in payload.values()]
-        columns += map(itertools.repeat, constants.values())
-        return iter(rows_of([*payload, *constants], columns))
-    samples = _decode_tar(info, payload, start, stop)
-    for key, value in constants.items():  # C-level passes: no Python loop body per sample
-        deque(map(dict.__setitem__, samples, itertools.repeat(key), itertools.repeat(value)), 0)
-    return iter(samples)
+        return iter(rows_of(list(payload), columns))
+    return iter(_decode_tar(info, payload, start, stop))
 
 
 def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> list[dict]:

@@ -1,0 +1,130 @@
+"""Reading row ranges of Parquet shards as columns, through a reader the caller owns.
+
+A :class:`ParquetReader` keeps the last file it opened (and its parsed footer), so reading a
+shard block after block opens it once. The reader belongs to one pass of one worker: a new
+pass makes a new reader, so a file rewritten between passes is read afresh, and nothing is
+shared between threads or across a fork. Rows are decompressed and converted ``_BATCH`` at a
+time while they are in cache. Numeric and boolean columns come as numpy arrays, except those
+the dataset lists as nullable (a column then has one type in every batch): those, and every
+other type, come as lists of Python values with ``None`` for nulls.
+
+>>> reader = ParquetReader()  # doctest: +SKIP
+>>> reader.read(index.shards[0], 0, 10)["__key__"][:2]  # doctest: +SKIP
+['part-000000/0', 'part-000000/1']
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import Any, BinaryIO
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.core import url_to_fs
+
+from nnh_data import batching
+from nnh_data.batching import Column, Columns
+from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError, row_group_rows
+
+__all__ = ["ParquetReader"]
+
+_BATCH = 256  # rows decompressed then converted at a time: they stay in cache
+
+
+class ParquetReader:
+    """Reads rows ``[start, stop)`` of Parquet shards; see the module docstring.
+
+    ``nullable`` names the columns to give as lists (default: each shard's own
+    ``info.nullable``); ``storage_options`` go to fsspec.
+    """
+
+    def __init__(
+        self,
+        storage_options: dict[str, Any] | None = None,
+        nullable: Iterable[str] | None = None,
+    ) -> None:
+        self.storage_options = storage_options
+        self.nullable = None if nullable is None else frozenset(nullable)
+        self._open: tuple[str, pq.ParquetFile] | None = None
+
+    def read(self, info: ShardInfo, start: int, stop: int, file: BinaryIO | None = None) -> Columns:
+        """Rows ``[start, stop)`` of ``info`` as columns, ``__key__`` added (the file's stem
+        and row number unless the file has a ``__key__`` column). ``file``: an open copy of
+        the shard to read instead of its URL (a local cache's). Raises :class:`ShardError`
+        when the file cannot be read and :class:`StaleIndexError` when it does not match its
+        index."""
+        first = _group_of(info, start)
+        groups = range(first, max(first, int(np.searchsorted(info.offsets, stop))))
+        nullable = frozenset(info.nullable) if self.nullable is None else self.nullable
+        try:
+            batches = self._file(info, file).iter_batches(
+                _BATCH, row_groups=groups, use_threads=False
+            )
+            parts = _converted(info, batches, start - int(info.offsets[first]), stop - start,
+                               nullable)  # fmt: skip
+        except (pa.ArrowException, OSError, StopIteration) as exc:
+            position = f"row group {first} (sample {start})"
+            raise ShardError(info.url, position, f"unreadable Parquet file ({exc!r})") from exc
+        columns = batching.concat(parts) if parts else {}
+        if "__key__" not in columns:
+            stem = info.url.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+            columns["__key__"] = list(map(f"{stem}/".__add__, map(str, range(start, stop))))
+        return columns
+
+    def _file(self, info: ShardInfo, file: BinaryIO | None) -> pq.ParquetFile:
+        """The open file of ``info`` (the last one is kept), its footer checked against the
+        index."""
+        if self._open is None or self._open[0] != info.url:
+            self._open = None
+            if file is None:
+                fs, path = url_to_fs(info.url, **(self.storage_options or {}))
+                parquet = pq.ParquetFile(path, filesystem=fs)
+            else:
+                parquet = pq.ParquetFile(file)
+            rows = [0, *itertools.accumulate(row_group_rows(parquet.metadata))]
+            if not np.array_equal(rows, info.offsets):
+                found = f"{rows[-1]} rows in {len(rows) - 1} row groups"
+                indexed = f"{info.num_samples} rows in {len(info.offsets) - 1}"
+                raise StaleIndexError(info.url, "footer", f"the file has {found}, the index "
+                                      f"{indexed}")  # fmt: skip
+            self._open = (info.url, parquet)
+        return self._open[1]
+
+    def close(self) -> None:
+        """Let go of the open file."""
+        self._open = None
+
+
+def _group_of(info: ShardInfo, row: int) -> int:
+    return int(np.searchsorted(info.offsets, row, "right")) - 1
+
+
+def _converted(
+    info: ShardInfo, batches: Iterable[pa.RecordBatch], skip: int, rows: int, nullable: frozenset
+) -> list[Columns]:
+    """``rows`` rows after the first ``skip`` of ``batches``, converted batch by batch."""
+    parts = []
+    batches = iter(batches)
+    while rows:
+        batch = next(batches)
+        if skip < batch.num_rows:
+            part = batch.slice(skip, rows)
+            names = part.schema.names
+            parts.append({n: _values(info, n, c, n in nullable) for n, c in zip(names, part)})
+            rows -= part.num_rows
+        skip = max(0, skip - batch.num_rows)
+    return parts
+
+
+def _values(info: ShardInfo, name: str, column: pa.Array, as_list: bool) -> Column:
+    """Numeric and boolean columns as numpy, unless ``as_list`` (the column is nullable in the
+    dataset): then, like every other type, a list of Python values (``None`` for nulls)."""
+    kind = column.type
+    numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+    if numeric and not as_list:
+        if column.null_count:
+            raise StaleIndexError(info.url, f"column {name!r}", "a null the index did not list")
+        return column.to_numpy(zero_copy_only=False)
+    return column.to_pylist()

@@ -1,0 +1,224 @@
+"""The resume protocol of :class:`~nnh_data.ShardedStreamingDataset`: states as plain dicts.
+
+A worker yields a prefix of its range (:func:`nnh_data.order.worker_plan`), so what a rank's
+loader handed out is one count per worker, and under DDP every rank has the same counts (same
+step count, same layout). A state is ``{"version", "epoch", "seed", "total", "window",
+"uneven", "base", "world_size", "num_workers", "batch_size", "unit", "shards", "consumed"}``:
+``base`` is the list of epoch-position intervals the pass walks (the whole epoch unless it was
+resumed), ``unit`` the items per loader batch worker ranges are cut in, ``shards`` the
+fingerprint of the shard list, and ``consumed[k]`` the items worker ``k`` handed out.
+
+Inside a DataLoader worker the dataset only knows its own count (the others are ``None``):
+that state resumes the same worker of the same layout, which is what torchdata's
+``StatefulDataLoader`` does with it. A state with every count (``num_workers=0``, or merged
+with :func:`merge_states` / :func:`state_from_loader`) resumes with any world size and worker
+count: the positions left over (:func:`nnh_data.order.remaining`) become the new base.
+
+Every function here is pure: it checks, builds or combines dicts and intervals.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from nnh_data.checks import check_int
+from nnh_data.order import Intervals, remaining
+
+__all__ = [
+    "SETTING_KEYS",
+    "STATE_VERSION",
+    "check_matches",
+    "check_state",
+    "make_state",
+    "merge_states",
+    "next_base",
+    "pass_base",
+    "pass_start",
+    "state_from_loader",
+]
+
+STATE_VERSION = 1
+SETTING_KEYS = ("seed", "total", "window", "uneven", "shards", "batch_size", "unit")
+_LAYOUT_KEYS = ("version", "epoch", "base", "world_size", *SETTING_KEYS)
+_SHARDS_HINT = (
+    " (a fingerprint of the shard names and sample counts, which define the order and the "
+    "ids): resume with the same shards, in the same order, with the same contents"
+)
+
+
+def make_state(
+    settings: Mapping[str, Any],
+    *,
+    epoch: int,
+    base: Sequence[tuple[int, int]],
+    world_size: int,
+    num_workers: int,
+    worker: int,
+    handed_out: int,
+) -> dict[str, Any]:
+    """The JSON-safe state of worker ``worker`` after handing out ``handed_out`` items of a pass
+    over ``base``; ``settings`` holds the dataset's :data:`SETTING_KEYS`.
+
+    Example:
+        >>> s = dict(seed=0, total=8, window=4, uneven="pad", shards="x", batch_size=None, unit=1)
+        >>> make_state(s, epoch=0, base=[(0, 8)], world_size=1, num_workers=2, worker=1,
+        ...            handed_out=3)["consumed"]
+        [None, 3]
+    """
+    consumed: list[int | None] = [None] * num_workers
+    consumed[worker] = handed_out
+    state = {"version": STATE_VERSION, "epoch": epoch}
+    state.update((key, settings[key]) for key in SETTING_KEYS)
+    state.update(base=[list(i) for i in base], world_size=world_size, num_workers=num_workers)
+    return {**state, "consumed": consumed}
+
+
+def check_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of ``state`` after checking its shape (ValueError naming what is wrong);
+    keys older versions left out get their default."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state must be a dict from state_dict(), got {type(state).__name__}")
+    state = copy.deepcopy(dict(state))
+    state.setdefault("batch_size", None)  # states of older per-sample passes leave it out
+    state.setdefault("unit", state["batch_size"] or 1)
+    state.setdefault("shards", None)  # older states: no fingerprint to check
+    missing = [k for k in (*_LAYOUT_KEYS, "num_workers", "consumed") if k not in state]
+    if missing:
+        raise ValueError(f"state must hold the keys of state_dict(); missing {missing}")
+    if state["version"] != STATE_VERSION:
+        raise ValueError(f"state['version'] must be {STATE_VERSION}, got {state['version']!r}")
+    if state["batch_size"] is not None:
+        check_int("state['batch_size']", state["batch_size"], low=1)
+    num_workers = check_int("state['num_workers']", state["num_workers"], low=1)
+    consumed = state["consumed"]
+    if (
+        not isinstance(consumed, list)
+        or len(consumed) != num_workers
+        or consumed == [None] * num_workers
+    ):
+        raise ValueError(
+            f"state['consumed'] must be a list of {num_workers} counts (None for unknown ones, "
+            f"not all), got {consumed!r}"
+        )
+    return state
+
+
+def check_matches(state: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` unless a checked ``state`` belongs to a dataset with ``settings``
+    (the order-defining ones: seed, total, window, uneven, shards). A state without a shard
+    fingerprint (an older version) is accepted with a warning."""
+    for key in ("seed", "total", "window", "uneven", "shards"):
+        if key == "shards" and state[key] is None:
+            warnings.warn("state has no shard fingerprint: not checked", stacklevel=3)
+        elif state[key] != settings[key]:
+            raise ValueError(
+                f"state[{key!r}] is {state[key]!r} but this dataset has {settings[key]!r}"
+                + (_SHARDS_HINT if key == "shards" else "")
+            )
+
+
+def merge_states(states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """One state with every worker's count, from the states of one rank's DataLoader workers.
+
+    Load it into a new dataset to resume with another world size or number of workers.
+
+    Example:
+        >>> a = {"version": 1, "epoch": 0, "seed": 0, "total": 8, "window": 4, "uneven": "pad",
+        ...      "base": [[0, 8]], "world_size": 1, "num_workers": 2, "consumed": [3, None]}
+        >>> merge_states([a, {**a, "consumed": [None, 1]}])["consumed"]
+        [3, 1]
+    """
+    checked = [check_state(s) for s in states]
+    if not checked:
+        raise ValueError("states must hold at least one state, got none")
+    merged = checked[0]
+    for other in checked[1:]:
+        for key in (*_LAYOUT_KEYS, "num_workers"):
+            if other[key] != merged[key]:
+                raise ValueError(f"states differ in {key!r}: {merged[key]!r} vs {other[key]!r}")
+        for k, count in enumerate(other["consumed"]):
+            if count is not None and merged["consumed"][k] not in (None, count):
+                raise ValueError(
+                    f"states disagree on worker {k}: {merged['consumed'][k]} vs {count}"
+                )
+            merged["consumed"][k] = count if count is not None else merged["consumed"][k]
+    missing = [k for k, count in enumerate(merged["consumed"]) if count is None]
+    if missing:
+        raise ValueError(f"states must cover every worker; no count for workers {missing}")
+    return merged
+
+
+def state_from_loader(loader_state: Mapping[str, Any]) -> dict[str, Any]:
+    """The dataset state inside a torchdata ``StatefulDataLoader.state_dict()``, its workers
+    merged (see :func:`merge_states`).
+
+    Example:
+        >>> state = state_from_loader(loader.state_dict())  # doctest: +SKIP
+        >>> new_ds.load_state_dict(state)  # any world size / num_workers  # doctest: +SKIP
+    """
+    if "_snapshot" not in loader_state:  # num_workers=0
+        return merge_states([loader_state["dataset_state"]])
+    if loader_state["_steps_since_snapshot"]:
+        raise ValueError(
+            "loader_state was taken between snapshots; create the StatefulDataLoader with "
+            "snapshot_every_n_steps=1 (the default)"
+        )
+    workers = loader_state["_snapshot"]["_worker_snapshots"].values()
+    return merge_states(w["dataset_state"] for w in workers)
+
+
+def next_base(state: Mapping[str, Any] | None, total: int, uneven: str) -> Intervals:
+    """The positions a pass walks after ``state`` with every worker's count (or from scratch,
+    the whole epoch of ``total`` positions, when ``state`` is None).
+
+    Example:
+        >>> next_base(None, 10, "pad")
+        [(0, 10)]
+    """
+    if state is None:
+        return [(0, total)]
+    base = [tuple(i) for i in state["base"]]
+    layout = (state["world_size"], state["num_workers"], uneven)
+    return remaining(base, *layout, state["consumed"], state["unit"])
+
+
+def pass_base(state: Mapping[str, Any] | None, total: int, uneven: str) -> Intervals:
+    """The base of the next pass's layout: a one-worker state's own base (it resumes that
+    worker inside its layout), else :func:`next_base`."""
+    if state is not None and None in state["consumed"]:
+        return [tuple(i) for i in state["base"]]
+    return next_base(state, total, uneven)
+
+
+def pass_start(
+    state: Mapping[str, Any] | None,
+    *,
+    total: int,
+    uneven: str,
+    world_size: int,
+    num_workers: int,
+    worker: int,
+    unit: int,
+) -> tuple[Intervals, int]:
+    """``(base, consumed)``: what worker ``worker`` of a ``world_size`` x ``num_workers``
+    layout (ranges cut in units of ``unit``) walks after ``state``, and how many items of its
+    range it handed out already.
+
+    A one-worker state (counts of other workers ``None``) resumes only the same worker of the
+    same layout; anything else is a ``ValueError`` that says how to merge states instead.
+    """
+    if state is None or None not in state["consumed"]:
+        return next_base(state, total, uneven), 0
+    layout = (state["world_size"], state["num_workers"], state["unit"])
+    if layout != (world_size, num_workers, unit) or state["consumed"][worker] is None:
+        raise ValueError(
+            "this state holds the progress of one DataLoader worker of world_size="
+            f"{layout[0]}, num_workers={layout[1]}, batch_size={layout[2]}; it cannot resume "
+            f"worker {worker} of world_size={world_size}, num_workers={num_workers}, "
+            f"batch_size={unit}: merge the workers' states with merge_states() "
+            "or state_from_loader() to change the layout"
+        )
+    return [tuple(i) for i in state["base"]], state["consumed"][worker]

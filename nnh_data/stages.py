@@ -1,0 +1,319 @@
+"""One pass of the streaming dataset as a chain of generator stages, WebDataset style.
+
+plan -> read -> assemble -> parameters -> count, each a plain function over iterables:
+
+- plan (:func:`read_plan`, :func:`pad_plan`): the read blocks ``(shard, start, stop, concat
+  start)`` that cover a worker's epoch positions: the windows they touch, in concat order, in
+  pieces of bounded size; then one block per pad.
+- read: each block fetched (in a read-ahead thread) and decoded into rows. Rows are a list of
+  sample dicts (``None`` for an unreadable sample) or :mod:`nnh_data.batching` columns; a
+  :class:`Rows` says how to cut, join, take and label either, so every stage serves both modes.
+- assemble (:func:`assemble`): per window, the rows of the concat range it covers taken in
+  epoch order, as a :class:`Part` with its labels (``__index__``, ``__pad__``).
+- parameters (:func:`with_parameters`): each part's augmentation parameters, as columns, in
+  one call per part.
+- count (:func:`hand_out_samples`, :func:`hand_out_batches`): items handed to the loader one
+  at a time or in batches, their progress counted in a :class:`Progress` (the resume state).
+
+A window's samples are handed out from a stack, so counting costs nothing per sample.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import chain, repeat
+from typing import Any
+
+import numpy as np
+
+from nnh_data import batching
+from nnh_data.batching import Columns
+from nnh_data.order import EpochOrder, Intervals, coalesce
+
+__all__ = [
+    "COLUMNS",
+    "LEFT_OUT",
+    "SAMPLES",
+    "SKIPPED",
+    "Block",
+    "Part",
+    "Progress",
+    "Rows",
+    "assemble",
+    "hand_out_batches",
+    "hand_out_samples",
+    "pad_plan",
+    "read_plan",
+    "window_groups",
+    "with_parameters",
+]
+
+Block = tuple[int, int, int, int]  # (shard, start, stop, concat start)
+SKIPPED = "__skipped__"  # column flagging the rows of unreadable samples, in columns
+_GROUP = 1024  # positions assembled per part without shuffle
+_DONE = object()  # the bottom of a hand-out stack
+LEFT_OUT = object()  # what a ``finish`` function returns for an item it leaves out
+
+
+def _label_samples(rows: list, name: str, value: Any) -> list:
+    # C-level passes: no Python loop body per sample (a None row is an unreadable sample)
+    deque(map(dict.__setitem__, filter(None, rows), repeat(name), repeat(value)), 0)
+    return rows
+
+
+def _label_columns(rows: Columns, name: str, value: Any) -> Columns:
+    rows[name] = [value] * batching.num_rows(rows)
+    return rows
+
+
+def _columns_of_samples(samples: list) -> Columns:
+    cols = batching.columns_of([s or {} for s in samples])
+    if None in samples:
+        cols[SKIPPED] = [s is None for s in samples]
+    return cols
+
+
+@dataclass(frozen=True)
+class Rows:
+    """How a stage handles one kind of rows: sample lists or columns."""
+
+    size: Callable[[Any], int]
+    cut: Callable[[Any, int, int], Any]
+    join: Callable[[list], Any]
+    take: Callable[[Any, np.ndarray], Any]
+    label: Callable[[Any, str, Any], Any]  # set a constant field in every (readable) row
+    from_samples: Callable[[list], Any]  # from a list of sample dicts (None: unreadable)
+
+
+SAMPLES = Rows(
+    size=len,
+    cut=lambda rows, a, b: rows[a:b],
+    join=lambda pieces: list(chain.from_iterable(pieces)),
+    take=lambda rows, idx: list(map(rows.__getitem__, idx.tolist())),
+    label=_label_samples,
+    from_samples=list,
+)
+COLUMNS = Rows(
+    size=batching.num_rows,
+    cut=batching.cut,
+    join=batching.concat,
+    take=batching.take,
+    label=_label_columns,
+    from_samples=_columns_of_samples,
+)
+
+
+@dataclass
+class Part:
+    """Rows in hand-out order with their labels (columns such as ``__index__`` and
+    ``__pad__``), the ids their parameters are keyed by, and those parameters."""
+
+    rows: Any
+    labels: Columns
+    keys: np.ndarray
+    params: Columns | None = None
+
+
+@dataclass
+class Progress:
+    """Items of a worker's range handed out: those before the current window plus those
+    popped off its stack (see :func:`hand_out_samples`)."""
+
+    consumed: int = 0
+    stack: list = field(default_factory=list)
+    window: int = 0
+
+    def start_window(self, stack: list) -> None:
+        """Count the current window as handed out; ``stack`` is the next one."""
+        self.consumed = self.handed_out()
+        self.stack, self.window = stack, max(0, len(stack) - 1)
+
+    def handed_out(self) -> int:
+        return self.consumed + self.window - max(0, len(self.stack) - 1)
+
+
+# ---------------------------------------------------------------- plan
+
+
+def read_plan(
+    order: EpochOrder,
+    positions: Intervals,
+    window: int,
+    split: Callable[[int, int, int], list[tuple[int, int]]],
+) -> Iterator[Block]:
+    """The blocks that cover sorted epoch ``positions``: the windows they touch (the whole
+    range without shuffle, ``window=0``), in order, each shard piece cut by
+    ``split(shard, start, stop)``.
+
+    Example:
+        >>> order = EpochOrder((3, 3), window=0)
+        >>> list(read_plan(order, [(1, 5)], 0, lambda s, a, b: [(a, b)]))
+        [(0, 1, 3, 1), (1, 0, 2, 3)]
+    """
+    size = window or 1
+    spans = coalesce(
+        [(a // size * size, min(-(-b // size) * size, order.total)) for a, b in positions]
+    )
+    for lo, hi in spans:
+        for shard, start, stop in order.pieces(lo, hi):
+            for a, b in split(shard, start, stop):
+                yield shard, a, b, lo + (a - start)
+            lo += stop - start
+
+
+def pad_plan(order: EpochOrder, pads: Iterable[int]) -> Iterator[Block]:
+    """One one-sample block per pad: the sample at each epoch position of ``pads``."""
+    for position in pads:
+        concat = int(order.concat_positions(np.array([position]))[0])
+        ((shard, start, stop),) = order.pieces(concat, concat + 1)
+        yield shard, start, stop, concat
+
+
+# ---------------------------------------------------------------- assemble
+
+
+def window_groups(positions: Intervals, size: int) -> Iterator[np.ndarray]:
+    """Sorted ``positions`` cut at multiples of ``size``: one array per window they touch.
+
+    Example:
+        >>> [g.tolist() for g in window_groups([(1, 3), (4, 6)], 4)]
+        [[1, 2], [4, 5]]
+    """
+    pending: list[np.ndarray] = []
+    current = -1
+    for a, b in positions:
+        while a < b:
+            w = a // size
+            end = min(b, (w + 1) * size)
+            if w != current and pending:
+                yield np.concatenate(pending)
+                pending = []
+            current = w
+            pending.append(np.arange(a, end, dtype=np.int64))
+            a = end
+    if pending:
+        yield np.concatenate(pending)
+
+
+class _Cursor:
+    """The rows of a stream of ``(concat start, rows)`` blocks, taken by increasing concat
+    ranges and let go of once taken."""
+
+    def __init__(self, blocks: Iterator[tuple[int, Any]], rows: Rows) -> None:
+        self._blocks, self._ops = blocks, rows
+        self._lo = self._len = 0
+        self._rows: Any = []
+
+    def take(self, lo: int, hi: int) -> Any:
+        ops, pieces = self._ops, []
+        while lo < hi:
+            if lo >= self._lo + self._len:
+                self._lo, self._rows = next(self._blocks)
+                self._len = ops.size(self._rows)
+                continue
+            assert lo >= self._lo, "read blocks must follow the windows in order"
+            stop = min(hi, self._lo + self._len)
+            pieces.append(ops.cut(self._rows, lo - self._lo, stop - self._lo))
+            lo = stop
+        self._rows = ops.cut(self._rows, lo - self._lo, self._len)
+        self._len -= lo - self._lo
+        self._lo = lo
+        return pieces[0] if len(pieces) == 1 else ops.join(pieces)
+
+
+def assemble(
+    decoded: Iterator[tuple[int, Any]],
+    order: EpochOrder,
+    positions: Intervals,
+    window: int,
+    num_pads: int,
+    rows: Rows,
+) -> Iterator[Part]:
+    """Parts in hand-out order from the decoded blocks of :func:`read_plan` then
+    :func:`pad_plan` (``(concat start, rows)`` each): one per window of ``positions``, then
+    one per pad, labelled with ``__index__`` (the global ids) and ``__pad__``."""
+    cursor = _Cursor(decoded, rows)
+    for group in window_groups(positions, window or _GROUP):
+        concat = order.concat_positions(group)
+        low = int(concat.min())
+        taken = rows.take(cursor.take(low, int(concat.max()) + 1), concat - low)
+        ids = order.ids_at_concat(concat)
+        yield Part(taken, {"__index__": ids, "__pad__": np.zeros(ids.size, bool)}, ids)
+    for _ in range(num_pads):
+        concat, block = next(decoded)
+        ids = order.ids_at_concat(np.array([concat], dtype=np.int64))
+        yield Part(block, {"__index__": ids, "__pad__": np.ones(1, bool)}, ids)
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def with_parameters(
+    parts: Iterable[Part], params: Callable[[np.ndarray], Columns]
+) -> Iterator[Part]:
+    """Each part with ``params(part.keys)``: its parameters as columns."""
+    for part in parts:
+        part.params = params(part.keys)
+        yield part
+
+
+# ---------------------------------------------------------------- count
+
+
+def hand_out_samples(
+    parts: Iterable[Part],
+    progress: Progress,
+    finish: Callable[[dict], Any],
+    skipped: Callable[[dict], None],
+) -> Iterator[Any]:
+    """The samples of ``parts``, each with its labels and ``__aug__`` (its parameters as a
+    dict), passed through ``finish`` (which returns :data:`LEFT_OUT` to leave one out).
+    Unreadable samples (``None`` rows) are reported to ``skipped`` with their labels."""
+    for part in parts:
+        names, cols = list(part.labels), [c.tolist() for c in part.labels.values()]
+        params = part.params
+        names.append("__aug__")
+        cols.append(batching.rows_of(list(params), [c.tolist() for c in params.values()]))
+        stack = [_DONE]
+        stack += reversed(part.rows)
+        del part  # the stack holds the samples now, and lets go of each as it is handed out
+        progress.start_window(stack)
+        for sample, label in zip(iter(stack.pop, _DONE), batching.rows_of(names, cols)):
+            if sample is None:
+                skipped(label)
+                continue
+            sample.update(label)
+            if (sample := finish(sample)) is not LEFT_OUT:
+                yield sample
+    progress.start_window([])
+
+
+def hand_out_batches(
+    parts: Iterable[Part], size: int, progress: Progress, finish: Callable[[Columns], Any]
+) -> Iterator[Any]:
+    """Batches of ``size`` consecutive rows of ``parts`` (the last may be short), each with
+    its labels and ``__aug__`` columns, passed through ``finish`` (:data:`LEFT_OUT` leaves it
+    out)."""
+    pending: list[Columns] = []
+    count = 0
+    for part in parts:
+        pending.append({**part.rows, **part.labels, "__aug__": part.params})
+        count += batching.num_rows(part.rows)
+        if count < size:
+            continue
+        rows, start = batching.concat(pending), 0
+        while count - start >= size:
+            batch = finish(batching.cut(rows, start, start + size))
+            start += size
+            progress.consumed += size
+            if batch is not LEFT_OUT:
+                yield batch
+        pending = [batching.cut(rows, start, count)] if start < count else []
+        count -= start
+    if count:
+        batch = finish(batching.concat(pending))
+        progress.consumed += count
+        if batch is not LEFT_OUT:
+            yield batch

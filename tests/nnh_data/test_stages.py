@@ -1,0 +1,116 @@
+"""The pass's generator stages on plain lists: plan, assemble, parameters, count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nnh_data import stages
+from nnh_data.order import EpochOrder, worker_plan
+
+COUNTS = (5, 0, 7, 4)
+
+
+def whole(shard: int, start: int, stop: int) -> list[tuple[int, int]]:
+    return [(start, stop)]
+
+
+def pairs(shard: int, start: int, stop: int) -> list[tuple[int, int]]:
+    return [(a, min(a + 2, stop)) for a in range(start, stop, 2)]
+
+
+def decoded(order: EpochOrder, blocks, rows: stages.Rows):
+    """Decode blocks of the fake dataset: sample g is {"g": g}."""
+    starts = np.concatenate(([0], np.cumsum(order.counts)))
+    for shard, a, b, concat in blocks:
+        samples = [{"g": int(starts[shard]) + i} for i in range(a, b)]
+        yield concat, rows.from_samples(samples)
+
+
+@pytest.mark.parametrize("window", [0, 1, 3, 16])
+@pytest.mark.parametrize("split", [whole, pairs])
+def test_read_plan_covers_the_windows_of_the_positions_in_concat_order(window, split):
+    order = EpochOrder(COUNTS, seed=2, window=window)
+    blocks = list(stages.read_plan(order, [(2, 6), (9, 11)], window, split))
+    concat = [c for _, a, b, c in blocks for c in range(c, c + b - a)]
+    assert concat == sorted(set(concat))
+    needed = order.concat_positions(np.r_[2:6, 9:11])
+    assert set(needed.tolist()) <= set(concat)
+    for shard, a, b, _ in blocks:
+        assert 0 <= a < b <= COUNTS[shard]
+
+
+@pytest.mark.parametrize("rows", [stages.SAMPLES, stages.COLUMNS], ids=["samples", "columns"])
+@pytest.mark.parametrize("window", [0, 4])
+def test_assemble_gives_each_position_its_sample_then_the_pads(rows, window):
+    order = EpochOrder(COUNTS, seed=5, window=window)
+    plan = worker_plan([(0, 16)], world_size=3, rank=2, num_workers=1, worker=0, uneven="pad")
+    blocks = list(stages.read_plan(order, plan.positions, window, pairs))
+    blocks += stages.pad_plan(order, plan.pads)
+    parts = list(stages.assemble(decoded(order, blocks, rows), order, plan.positions, window,
+                                 len(plan.pads), rows))  # fmt: skip
+    got = []
+    for part in parts:
+        g = [s["g"] for s in part.rows] if rows is stages.SAMPLES else part.rows["g"]
+        assert list(g) == part.labels["__index__"].tolist() == part.keys.tolist()
+        got += [(x, bool(p)) for x, p in zip(g, part.labels["__pad__"])]
+    positions = np.concatenate([np.arange(a, b) for a, b in plan.positions])
+    expected = [(int(g), False) for g in order.sample_ids(positions)]
+    expected += [(int(order.sample_ids(np.array([p]))[0]), True) for p in plan.pads]
+    assert got == expected
+
+
+def test_window_groups_cut_at_window_edges():
+    groups = [g.tolist() for g in stages.window_groups([(0, 3), (5, 9)], 4)]
+    assert groups == [[0, 1, 2], [5, 6, 7], [8]]
+
+
+def make_parts(samples_per_part: list[list[dict | None]]) -> list[stages.Part]:
+    parts, first = [], 0
+    for rows in samples_per_part:
+        ids = np.arange(first, first + len(rows), dtype=np.int64)
+        first += len(rows)
+        labels = {"__index__": ids, "__pad__": np.zeros(len(rows), bool)}
+        parts.append(stages.Part(rows, labels, ids))
+    return list(stages.with_parameters(parts, lambda ids: {"twice": ids * 2}))
+
+
+def test_hand_out_samples_labels_counts_and_skips():
+    parts = make_parts([[{"k": 0}, None, {"k": 2}], [{"k": 3}]])
+    progress, skipped = stages.Progress(), []
+    out = stages.hand_out_samples(parts, progress, lambda s: s, skipped.append)
+    first = next(out)
+    assert first == {"k": 0, "__index__": 0, "__pad__": False, "__aug__": {"twice": 0}}
+    assert progress.handed_out() == 1
+    assert next(out)["k"] == 2 and progress.handed_out() == 3
+    assert [label["__index__"] for label in skipped] == [1]
+    assert [s["k"] for s in out] == [3] and progress.handed_out() == 4
+
+
+def test_hand_out_samples_leaves_out_what_finish_refuses():
+    parts = make_parts([[{"k": i} for i in range(4)]])
+    def odd(s):
+        return s if s["k"] % 2 else stages.LEFT_OUT
+    progress = stages.Progress()
+    assert [s["k"] for s in stages.hand_out_samples(parts, progress, odd, print)] == [1, 3]
+    assert progress.handed_out() == 4
+
+
+def test_hand_out_batches_cuts_whole_batches_and_counts_them():
+    cols = [stages.COLUMNS.from_samples([{"k": i} for i in range(a, b)])
+            for a, b in [(0, 3), (3, 4), (4, 9)]]  # fmt: skip
+    parts = make_parts([[None] * stages.COLUMNS.size(c) for c in cols])
+    for part, c in zip(parts, cols):
+        part.rows = c
+    progress = stages.Progress()
+    batches = list(stages.hand_out_batches(parts, 4, progress, lambda b: b))
+    assert [b["k"] for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    assert [b["__aug__"]["twice"].tolist() for b in batches][-1] == [16]
+    assert progress.handed_out() == 9
+
+
+def test_columns_flag_unreadable_rows():
+    cols = stages.COLUMNS.from_samples([{"a": 1}, None])
+    assert cols[stages.SKIPPED] == [False, True] and cols["a"] == [1, None]
+    assert stages.COLUMNS.label(cols, "u", "x")["u"] == ["x", "x"]
+    assert stages.SAMPLES.label([{"a": 1}, None], "u", "x") == [{"a": 1, "u": "x"}, None]
