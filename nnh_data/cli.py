@@ -3,6 +3,8 @@
 nnh-data index "data/train-{000000..000063}.tar" --storage-options '{"anon": true}'
 nnh-data convert images/ "shards/train-%06d.tar" --max-count 10000
 nnh-data convert "table/*.parquet" "shards/train-%06d.tar" --max-bytes 1000000000
+nnh-data cache warm "s3://bucket/train-*.tar" --cache-dir /local/cache --world-size 8 --ranks 0-3
+nnh-data cache stats /local/cache --json
 
 Errors are one line on stderr and exit status 2; an index that cannot be saved is an error
 (pass --index-path to write it elsewhere).
@@ -13,14 +15,17 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
 
 from nnh_data.job_array import array_task_info
+from nnh_data.order import UNEVEN
 from nnh_data.ranges import DistributedRangeSplitter
-from nnh_data.shard_index import ShardIndex
+from nnh_data.shard_cache import ShardCache, read_schedule
+from nnh_data.shard_index import ShardIndex, ShardInfo
 from nnh_data.shards import ShardError, build_shard_index
 from nnh_data.sources import expand_sources
 from nnh_data.writer import (
@@ -44,10 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="could not save the shard index")
-            index = args.run(args)
+            result = args.run(args)
     except (ValueError, OSError, ShardError, UserWarning) as exc:
         parser.exit(2, f"nnh-data: error: {exc}\n")
-    print(_summary(index, time.perf_counter() - started))
+    print(args.report(result, time.perf_counter() - started))
     return 0
 
 
@@ -76,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="nnh-data", description=__doc__.splitlines()[0].replace("``", ""),
         parents=[_common(None)],
     )  # fmt: skip
+    parser.set_defaults(report=_summary)
     common = _common(argparse.SUPPRESS)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
@@ -98,7 +104,41 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--task-index", type=int, default=None, help="this task (Slurm array)")
     convert.add_argument("--num-tasks", type=int, default=None, help="tasks splitting the work")
     convert.set_defaults(run=_convert)
+    _cache_parser(commands, common)
     return parser
+
+
+def _cache_parser(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    cache = commands.add_parser("cache", help="inspect, tidy or warm a node-local shard cache")
+    actions = cache.add_subparsers(required=True, metavar="ACTION")
+    stats = actions.add_parser("stats", help="files, bytes and counters of a cache folder")
+    stats.add_argument("cache_dir")
+    stats.add_argument("--json", action="store_true", help="one JSON object")
+    stats.set_defaults(run=_cache_stats)
+    verify = actions.add_parser("verify", help="check every shard; remove what is broken")
+    verify.add_argument("cache_dir")
+    verify.set_defaults(run=_cache_verify)
+    clear = actions.add_parser("clear", help="remove every shard nobody reads")
+    clear.add_argument("cache_dir")
+    clear.set_defaults(run=_cache_clear)
+    warm = actions.add_parser(
+        "warm", help="download what given ranks read first, in need order", parents=[common]
+    )
+    warm.add_argument("sources", nargs="+", help="shard URLs, globs or brace patterns")
+    warm.add_argument("--cache-dir", required=True)
+    warm.add_argument("--limit", default=None, help="bytes, e.g. 50GB or 1.5GiB (default: disk)")
+    warm.add_argument("--world-size", type=int, default=1)
+    warm.add_argument("--ranks", default=None, help="e.g. 0,1 or 0-3 (default: all)")
+    warm.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per rank")
+    warm.add_argument("--seed", type=int, default=0)
+    warm.add_argument("--epoch", type=int, default=0)
+    warm.add_argument("--shuffle-window", type=int, default=1024, help="0: no shuffle")
+    warm.add_argument("--uneven", choices=UNEVEN, default="pad")
+    warm.add_argument("--batch-size", type=int, default=1, help="loader batch (worker ranges)")
+    warm.add_argument("--format", choices=("tar", "parquet"), default=None)
+    warm.set_defaults(run=_cache_warm)
+    for action in (stats, verify, clear, warm):
+        action.set_defaults(report=lambda text, seconds: text)
 
 
 def _index(args: argparse.Namespace) -> ShardIndex:
@@ -152,6 +192,76 @@ def _convert_task(
             )
         infos.extend(index.shards)
     return ShardIndex(tuple(infos), index.path if infos else None)
+
+
+def _existing_cache(path: str) -> ShardCache:
+    if not os.path.isdir(os.path.join(path, "shards")):
+        raise ValueError(f"cache_dir must be a shard cache folder, got {path!r}")
+    return ShardCache(path)
+
+
+def _cache_stats(args: argparse.Namespace) -> str:
+    stats = _existing_cache(args.cache_dir).stats()
+    if args.json:
+        return json.dumps(stats)
+    return "\n".join(f"{name}: {value}" for name, value in stats.items())
+
+
+def _cache_verify(args: argparse.Namespace) -> str:
+    problems = _existing_cache(args.cache_dir).verify()
+    return "\n".join([*problems, f"{len(problems)} problem(s) found and removed"])
+
+
+def _cache_clear(args: argparse.Namespace) -> str:
+    cache = _existing_cache(args.cache_dir)
+    cache.clear()
+    return f"cleared {cache.cache_dir}: {cache.stats()['files']} shards in use are left"
+
+
+def _cache_warm(args: argparse.Namespace) -> str:
+    cache = ShardCache(args.cache_dir, args.limit)
+    ranks = _ranks(args.ranks, args.world_size)
+    index = build_shard_index(
+        args.sources, format=args.format, storage_options=args.storage_options
+    )
+    order = _need_order(index, ranks, args)
+    cached = cache.warm(order, storage_options=args.storage_options)
+    size = sum(info.size for info in order[:cached])
+    return f"warmed {cached} of {len(order)} shards ({size} bytes) in {cache.cache_dir}"
+
+
+def _need_order(index: ShardIndex, ranks: list[int], args: argparse.Namespace) -> list[ShardInfo]:
+    """The shards the workers of ``ranks`` read, each once, in the order they are first
+    needed: ranks advance in step and the workers of a rank take turns."""
+    counts = [info.num_samples for info in index.shards]
+    reads = []
+    for rank in ranks:
+        for worker in range(args.num_workers):
+            schedule = read_schedule(
+                counts, seed=args.seed, epoch=args.epoch, window=args.shuffle_window,
+                world_size=args.world_size, rank=rank, num_workers=args.num_workers,
+                worker=worker, uneven=args.uneven, unit=args.batch_size,
+            )  # fmt: skip
+            reads += [(t * args.num_workers + worker, rank, shard) for shard, t in schedule]
+    order = dict.fromkeys(shard for _, _, shard in sorted(reads))
+    return [index.shards[shard] for shard in order]
+
+
+def _ranks(text: str | None, world_size: int) -> list[int]:
+    """``"0,2"`` or ``"0-3"`` (or None: all) as rank numbers below ``world_size``."""
+    if world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {world_size}")
+    if text is None:
+        return list(range(world_size))
+    ranks = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        if not (first.strip().isdigit() and (not last or last.strip().isdigit())):
+            raise ValueError(f"--ranks must be numbers or ranges like 0,2 or 0-3, got {text!r}")
+        ranks += range(int(first), int(last or first) + 1)
+    if not ranks or max(ranks) >= world_size:
+        raise ValueError(f"--ranks must be in [0, {world_size - 1}], got {text!r}")
+    return sorted(set(ranks))
 
 
 def _in_array() -> bool:

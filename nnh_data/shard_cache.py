@@ -79,6 +79,7 @@ PREFETCH_SHARE = 0.25  # what all live plans hold ahead stays under this share o
 DISK_RESERVE = 1 << 30  # kept free on the disk when no limit is given
 CHUNK_BYTES = 4 << 20
 _POLL_S = 0.2
+_RETRY_S = 0.5  # a prefetch that found no room looks again after this long
 _MTIME_SLACK_NS = 200_000_000  # a folder changed this recently is listed again
 _HEADER = 42  # a plan file starts with "<position:20> <ahead:20>\n"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
@@ -532,7 +533,7 @@ class ShardCache:
         with self.session(storage_options=storage_options, prefetch=0) as session:
             session.set_plan(shards, range(len(shards)))
             for t, info in enumerate(shards):
-                if self._fetch_ahead(info, float(t), session, capped=False) == "full":
+                if self._fetch_ahead(info, t, session, capped=False) == "full":
                     break
                 cached += 1
         return cached
@@ -744,25 +745,32 @@ class ShardCache:
                 return os.fdopen(self._fill(claim, info, options, stop), "rb")
 
     def _fetch_ahead(
-        self, info: ShardInfo, distance: float, session: CacheSession, capped: bool = True
+        self, info: ShardInfo, t: int, session: CacheSession, capped: bool = True
     ) -> str:
-        """Download ``info`` unpinned for a read at ``distance``: "cached" (it was, or is now),
-        "busy" (another process downloads it) or "full" (no room, or over the prefetch cap)."""
+        """Download ``info`` unpinned for ``session``'s read at item ``t``: "cached" (it was,
+        or is now), "busy" (another process downloads it) or "full" (no room without evicting
+        a shard needed sooner, or, ``capped``, over the prefetch cap)."""
         key = shard_key(info.url, info.size, info.version)
         self._sizes[key] = info.size
         if os.path.exists(self._shard_path(key, info.url)):
             return "cached"
-        claim = self._claim(key, info, distance, session if capped else None)
+        hold = (session, t) if capped else None
+        claim = self._claim(key, info, session.distance(t), hold)
         if claim.fd is None:
             return "full" if claim.full else "busy" if claim.wait else "cached"
         os.close(self._fill(claim, info, session.storage_options, session.stopping))
         return "cached"
 
     def _claim(
-        self, key: str, info: ShardInfo, distance: float, capped: CacheSession | None = None
+        self,
+        key: str,
+        info: ShardInfo,
+        distance: float,
+        hold: tuple[CacheSession, int] | None = None,
     ) -> _Claim:
         """Under the node lock: a live part of ``key`` to wait on, else the published file
-        (retry), else room made and a part created (``LOCK_EX``)."""
+        (retry), else room made and a part created (``LOCK_EX``). ``hold``: a prefetch, capped
+        and counted as held ahead by that session until its item."""
         with self._node_lock():
             self._dead_parts(key)
             live = self._parts(key)
@@ -772,13 +780,13 @@ class ShardCache:
                 return _Claim()
             usage, plans = self._usage(), self._live_plans()
             limit = self._limit_now(usage)
-            if capped is not None and plans.ahead + info.size > limit * PREFETCH_SHARE:
+            if hold is not None and plans.ahead + info.size > limit * PREFETCH_SHARE:
                 return _Claim(full=True)
             if not self._make_room(usage, plans.plans, info.size, distance, limit):
                 return _Claim(full=True)
             claim = self._create_part(key, info.size)
-            if capped is not None:
-                capped.hold_ahead(key, info.size)
+            if hold is not None:
+                hold[0].hold_ahead(key, info.size, hold[1])
             return claim
 
     def _make_room(
@@ -1015,8 +1023,8 @@ class CacheSession:
     """One reader's use of the cache (a DataLoader worker's pass): its plan, its position, its
     pins and its prefetch thread. A context manager; :meth:`close` ends it.
 
-    Not thread-safe: one thread calls :meth:`set_plan`, :meth:`advance`, :meth:`open` and
-    :meth:`release` (the prefetch thread is internal).
+    One thread calls the methods (the prefetch thread is internal). A forked child must open
+    its own session: pins and the plan's lock are open files, which a fork shares.
     """
 
     def __init__(
@@ -1033,8 +1041,9 @@ class CacheSession:
         self.stopping = threading.Event()
         self._pins: dict[str, tuple[BinaryIO, int]] = {}
         self._state = _PlanState()
-        self._changed = threading.Condition()
-        self._version = 0  # bumped by set_plan and advance: the prefetch thread looks again
+        self._changed = threading.Condition()  # taken after the node lock, never before
+        self._version = 0  # bumped when the shards to prefetch change
+        self._starved = False  # a read went around the cache: no prefetch until one fits
         self._plan_fd: int | None = None
         self._plan_path = os.path.join(
             cache._folder("procs"), f"{os.getpid()}.{secrets.token_hex(4)}.plan"
@@ -1058,9 +1067,13 @@ class CacheSession:
                 f"{len(times)} times for {len(shards)} shards"
             )
         keys = [shard_key(info.url, info.size, info.version) for info in shards]
-        with self._changed:
-            self._state = _PlanState(list(shards), keys, times)
-            self._publish_plan()
+        state = _PlanState(list(shards), keys, times)
+        fd, temporary = self._plan_file(state)
+        with self.cache._node_lock(), self._changed:  # no scan sees the old plan unlocked
+            os.rename(temporary, self._plan_path)
+            if self._plan_fd is not None:
+                os.close(self._plan_fd)
+            self._plan_fd, self._state = fd, state
             self._version += 1
             self._changed.notify_all()
         if self.prefetch and self._thread is None:
@@ -1070,12 +1083,15 @@ class CacheSession:
             self._thread.start()
 
     def advance(self, t: int) -> None:
-        """This reader now stands at item index ``t`` of its plan."""
+        """This reader now stands at item index ``t`` of its plan (cheap: one write of a few
+        bytes; calling it once per read block is enough)."""
         with self._changed:
+            before = self._state.next_index()
             self._state.position = int(t)
             self._write_header()
-            self._version += 1
-            self._changed.notify_all()
+            if self._state.next_index() != before:
+                self._version += 1
+                self._changed.notify_all()
 
     def open(self, info: ShardInfo) -> BinaryIO | None:
         """The local copy of ``info``, pinned until :meth:`release` (downloaded now if needed);
@@ -1087,6 +1103,7 @@ class CacheSession:
             self._pins[key] = (f, count + 1)
             return f
         f = self.cache._acquire(info, self.storage_options, self.stopping)
+        self._starved = f is None
         if f is None:
             _read_around(self.cache)
             return None
@@ -1103,14 +1120,13 @@ class CacheSession:
             f.close()
 
     def discard(self, info: ShardInfo) -> None:
-        """Unpin ``info`` and evict the local copy (after a read error on it); the next
-        :meth:`open` downloads it again."""
+        """Unpin ``info`` and remove the local copy (after a read error on it; readers of it
+        keep their open file); the next :meth:`open` downloads it again."""
         key = shard_key(info.url, info.size, info.version)
         f, _ = self._pins.pop(key, (None, 0))
         if f is not None:
             f.close()
-        with self.cache._node_lock():
-            self.cache._remove_unpinned(key, self.cache._shard_path(key, info.url))
+        self.cache._remove_bad(key, self.cache._shard_path(key, info.url))
 
     def close(self) -> None:
         """Unpin all, stop prefetch and release the plan (it stays live
@@ -1125,21 +1141,26 @@ class CacheSession:
             f.close()
         self._pins.clear()
         if self._plan_fd is not None:
-            os.utime(self._plan_fd)
-            os.close(self._plan_fd)
+            with self._changed:
+                self._state.ahead.clear()  # a closed reader holds nothing ahead
+                self._write_header()
+            os.close(self._plan_fd)  # its modification time is the release time
             self._plan_fd = None
 
-    def hold_ahead(self, key: str, size: int) -> None:
-        """Count a prefetched shard as held ahead until this reader reaches it."""
+    def distance(self, t: int) -> float:
+        """The distance of this reader's read at item ``t`` in next-use units."""
+        return float((t - self._state.position) * self.num_workers)
+
+    def hold_ahead(self, key: str, size: int, t: int) -> None:
+        """Count a prefetched shard as held ahead until this reader reaches item ``t``."""
         with self._changed:
-            self._state.ahead[key] = size
+            self._state.ahead[key] = (size, t)
             self._write_header()
 
     # ------------------------------------------------------------ plan file and prefetch
 
-    def _publish_plan(self) -> None:
-        """Write the plan to a new file, lock it and rename it over the previous one."""
-        state = self._state
+    def _plan_file(self, state: _PlanState) -> tuple[int, str]:
+        """The plan written to a new file, locked (``LOCK_EX``); its fd and name."""
         body = json.dumps(
             {"num_workers": self.num_workers, "keys": state.keys, "times": state.times.tolist()}
         )
@@ -1147,33 +1168,31 @@ class CacheSession:
         fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)
         _write_all(fd, state.header() + body.encode())
-        os.rename(temporary, self._plan_path)
-        if self._plan_fd is not None:
-            os.close(self._plan_fd)
-        self._plan_fd = fd
+        return fd, temporary
 
     def _write_header(self) -> None:
         if self._plan_fd is not None:
             os.pwrite(self._plan_fd, self._state.header(), 0)
 
     def _prefetch_loop(self) -> None:
-        """Keep the next ``prefetch`` shards of the plan cached; after a pass over them, wait
-        for the position or the plan to change (or a second, as other readers move)."""
+        """Keep the next ``prefetch`` shards of the plan cached. After a pass over them, wait
+        for them to change; when one found no room (or another process downloads it), look
+        again a little later, as other readers move."""
         while not self.stopping.is_set():
             with self._changed:
-                targets = self._state.upcoming(self.prefetch)
-                version, position = self._version, self._state.position
+                targets = [] if self._starved else self._state.upcoming(self.prefetch)
+                version = self._version
+            outcome = "cached"
             for info, t in targets:
-                distance = float((t - position) * self.num_workers)
                 try:
-                    outcome = self.cache._fetch_ahead(info, distance, self)
+                    outcome = self.cache._fetch_ahead(info, t, self)
                 except ShardError:
-                    break  # the read on demand raises it
-                if outcome == "full" or self.stopping.is_set():
+                    outcome = "failed"  # the read on demand raises it
+                if outcome != "cached" or self.stopping.is_set():
                     break
             with self._changed:
                 if self._version == version and not self.stopping.is_set():
-                    self._changed.wait(timeout=1.0)
+                    self._changed.wait(timeout=_RETRY_S if outcome != "cached" else 1.0)
 
 
 @dataclass
@@ -1184,25 +1203,23 @@ class _PlanState:
     keys: list[str] = field(default_factory=list)
     times: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     position: int = 0
-    ahead: dict[str, int] = field(default_factory=dict)  # key -> size, prefetched
+    ahead: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> (size, its t)
 
     def header(self) -> bytes:
-        return f"{self.position:>20d} {self.held_ahead():>20d}\n".encode()
+        """The plan file's first line: the position and the bytes held ahead of it."""
+        self.ahead = {k: st for k, st in self.ahead.items() if st[1] > self.position}
+        held = sum(size for size, _ in self.ahead.values())
+        return f"{self.position:>20d} {held:>20d}\n".encode()
 
-    def held_ahead(self) -> int:
-        """Bytes prefetched for reads still ahead of the position (those reached are
-        forgotten)."""
-        start = int(np.searchsorted(self.times, self.position, side="right"))
-        upcoming = set(self.keys[start:])
-        self.ahead = {k: size for k, size in self.ahead.items() if k in upcoming}
-        return sum(self.ahead.values())
+    def next_index(self) -> int:
+        """The index of the first read after the position."""
+        return int(np.searchsorted(self.times, self.position, side="right"))
 
     def upcoming(self, count: int) -> list[tuple[ShardInfo, int]]:
         """The next ``count`` distinct shards read after the position, with their times."""
         out: list[tuple[ShardInfo, int]] = []
         seen: set[str] = set()
-        start = int(np.searchsorted(self.times, self.position, side="right"))
-        for j in range(start, len(self.keys)):
+        for j in range(self.next_index(), len(self.keys)):
             if len(out) == count:
                 break
             if self.keys[j] not in seen:

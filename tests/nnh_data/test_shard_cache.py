@@ -3,15 +3,29 @@ protocol with real processes and a real S3 API (moto on loopback)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
+import multiprocessing
 import os
+import signal
 import sys
+import threading
+import time
+import traceback
+import warnings
 
+import fsspec
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nnh_data import shard_cache
+from nnh_data.cli import main
 from nnh_data.order import EpochOrder, worker_plan
 from nnh_data.shard_cache import (
     Plan,
@@ -22,9 +36,12 @@ from nnh_data.shard_cache import (
     read_schedule,
     shard_key,
 )
-from tests.support import ROOT
+from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError
+from nnh_data.shards import build_shard_index
+from tests.support import ROOT, sample_bytes
 
 pytestmark = pytest.mark.timeout(120)
+_FORK = multiprocessing.get_context("fork")
 
 
 def _bench():
@@ -176,3 +193,544 @@ def test_belady_from_plans_fetches_less_than_lru_on_the_trace():
                                for p in ("lru", "plans", "optimum"))  # fmt: skip
         assert plans <= bound * lru, (capacity, plans, lru)
         assert optimum <= plans <= 1.05 * optimum, (capacity, plans, optimum)
+
+
+# ---------------------------------------------------------------- helpers for the protocol
+
+
+class SlowFileSystem(LocalFileSystem):
+    """Local files under the ``slowfile://`` protocol; each read sleeps
+    ``NNH_TEST_READ_DELAY`` seconds (inherited by forked processes)."""
+
+    protocol = ("slowfile",)
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        path = str(path)
+        return super()._strip_protocol(
+            path[len("slowfile://") :] if path.startswith("slowfile://") else path
+        )
+
+    def _open(self, path, mode="rb", **kwargs):
+        return _SlowReader(super()._open(path, mode, **kwargs))
+
+
+class _SlowReader:
+    def __init__(self, f) -> None:
+        self.f = f
+
+    def read(self, size=-1) -> bytes:
+        time.sleep(float(os.environ.get("NNH_TEST_READ_DELAY", "0")))
+        return self.f.read(size)
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+fsspec.register_implementation("slowfile", SlowFileSystem, clobber=True)
+
+
+def _slow_info(path, size=None) -> ShardInfo:
+    size = os.path.getsize(path) if size is None else size
+    return ShardInfo(f"slowfile://{path}", "tar", 1, size=size, version="v1")
+
+
+def _random_file(path, size: int) -> bytes:
+    data = np.random.default_rng(size).bytes(size)
+    with open(path, "wb") as f:
+        f.write(data)
+    return data
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _read(session, info, options=None) -> bytes:
+    """The shard's bytes through the cache, or from the remote when the cache is too small."""
+    f = session.open(info)
+    if f is None:
+        fs, path = url_to_fs(info.url, **(options or {}))
+        return fs.cat_file(path)
+    try:
+        f.seek(0)
+        return f.read()
+    finally:
+        session.release(info)
+
+
+def _s3_shards(moto_s3, paths, bucket_name) -> list[ShardInfo]:
+    """Upload local shards to a new bucket; their index there."""
+    bucket = moto_s3.bucket(bucket_name)
+    fs = fsspec.filesystem("s3", **moto_s3.storage_options, skip_instance_cache=True)
+    for path in paths:
+        fs.put_file(path, f"{bucket}/{os.path.basename(path)}")
+    extension = paths[0].rsplit(".", 1)[-1]
+    index = build_shard_index(f"{bucket}/*.{extension}", storage_options=moto_s3.storage_options)
+    return list(index.shards)
+
+
+def _files_bytes(cache_dir) -> int:
+    """Bytes of the shards and parts in the folder (what the limit bounds)."""
+    total = 0
+    for folder in ("shards", "tmp"):
+        for root, _, names in os.walk(os.path.join(cache_dir, folder)):
+            for name in names:
+                if not name.endswith(".json") and not name.startswith("."):
+                    try:
+                        total += os.path.getsize(os.path.join(root, name))
+                    except FileNotFoundError:
+                        pass
+    return total
+
+
+def _child(target, number, args, results) -> None:
+    try:
+        results.put((number, target(*args), None))
+    except BaseException:  # reported to the test, which names the process
+        results.put((number, None, traceback.format_exc()))
+
+
+def _run_processes(target, arg_tuples, timeout: float = 90.0) -> list:
+    """``target(*args)`` in one forked process per item; results in order. A process that
+    raises or outlives ``timeout`` fails the test, named."""
+    results = _FORK.Queue()
+    processes = [_FORK.Process(target=_child, args=(target, i, args, results))
+                 for i, args in enumerate(arg_tuples)]  # fmt: skip
+    for process in processes:
+        process.start()
+    out = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(out) < len(processes):
+            number, value, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert error is None, f"process {number} failed:\n{error}"
+            out[number] = value
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+    return [out[i] for i in range(len(processes))]
+
+
+def _wait_until(condition, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def _read_through_cache(cache_dir, limit, infos, options, order, barrier=None, prefetch=0):
+    """One process: a session that plans and reads ``infos`` in ``order``; their digests."""
+    cache = ShardCache(cache_dir, limit)
+    if barrier is not None:
+        barrier.wait(timeout=30)
+    digests = {}
+    with cache.session(storage_options=options, prefetch=prefetch) as session:
+        session.set_plan([infos[i] for i in order], range(len(order)))
+        for t, i in enumerate(order):
+            session.advance(t)
+            digests[i] = _digest(_read(session, infos[i], options))
+    return digests
+
+
+def _open_and_hold(cache_dir, info) -> None:
+    session = ShardCache(cache_dir).session(prefetch=0)
+    session.open(info)
+    time.sleep(60)
+
+
+def _parts(cache_dir) -> list[str]:
+    return os.listdir(os.path.join(cache_dir, "tmp"))
+
+
+# ---------------------------------------------------------------- hits, misses, pins
+
+
+def test_miss_then_hit_entries_evict_and_clear(tmp_path):
+    data = [_random_file(tmp_path / f"s{i}.tar", 1000 + i) for i in range(3)]
+    infos = [_slow_info(tmp_path / f"s{i}.tar") for i in range(3)]
+    cache = ShardCache(tmp_path / "cache", limit="1MB")
+    with cache.session() as session:
+        assert [_read(session, info) for info in infos] == data
+    with cache.session() as session:
+        assert _read(session, infos[1]) == data[1]
+        assert session.open(infos[1]) is session.open(infos[1])  # one file, two pins
+        assert not cache.evict(infos[1].url)  # pinned
+        session.release(infos[1])
+        assert not cache.evict(infos[1].url)  # still pinned once
+        session.release(infos[1])
+        assert cache.evict(infos[1].url) and not cache.evict(infos[1].url)
+    entries = sorted(cache.entries(), key=lambda e: e.url)
+    assert [(e.url, e.size, e.version) for e in entries] == [
+        (infos[i].url, infos[i].size, "v1") for i in (0, 2)
+    ]
+    assert open(entries[1].path, "rb").read() == data[2]
+    assert entries[0].key == shard_key(infos[0].url, infos[0].size, "v1")
+    stats = cache.stats()
+    assert {k: stats[k] for k in ("files", "bytes", "downloads", "hits", "around")} == {
+        "files": 2,
+        "bytes": 2002,
+        "downloads": 3,
+        "hits": 2,
+        "around": 0,
+    }
+    cache.clear()
+    assert cache.entries() == [] and cache.stats()["downloads"] == 3  # counters are history
+    assert cache.verify() == []
+
+
+def test_a_pinned_shard_survives_eviction_and_a_full_cache_reads_around(tmp_path):
+    data = [_random_file(tmp_path / f"s{i}.tar", 1000) for i in range(4)]
+    infos = [_slow_info(tmp_path / f"s{i}.tar") for i in range(4)]
+    cache = ShardCache(tmp_path / "cache", limit=2500)
+    with cache.session() as holder, cache.session() as reader:
+        pinned = holder.open(infos[0])
+        assert _read(reader, infos[1]) == data[1]  # 2 of 2.5 shards
+        assert _read(reader, infos[2]) == data[2]  # evicts s1 (unpinned), never s0
+        assert {e.url for e in cache.entries()} == {infos[0].url, infos[2].url}
+        assert reader.open(infos[2]) is not None  # now s0 and s2 are pinned
+        with pytest.warns(UserWarning, match="smaller than what its readers need"):
+            assert reader.open(infos[3]) is None  # no room without evicting a pinned shard
+        assert _read(reader, infos[3]) == data[3]  # around, without a second warning
+        pinned.seek(0)
+        assert pinned.read() == data[0]
+        assert cache.stats()["around"] == 2 and cache.stats()["files"] == 2
+
+
+def test_plans_keep_what_a_reader_needs_next(tmp_path):
+    """A demand read evicts the shard no plan needs soon, not the one another reader needs
+    next."""
+    data = [_random_file(tmp_path / f"s{i}.tar", 1000) for i in range(3)]
+    infos = [_slow_info(tmp_path / f"s{i}.tar") for i in range(3)]
+    for needed, spare in ((0, 1), (1, 0)):
+        cache = ShardCache(tmp_path / f"cache{needed}", limit=2500)
+        with cache.session() as plain:  # no plan: what it reads is never needed again
+            assert [_read(plain, info) for info in infos[:2]] == data[:2]
+        with cache.session(prefetch=0) as other, cache.session(prefetch=0) as reader:
+            other.set_plan([infos[needed], infos[spare]], [10, 50])
+            other.advance(5)
+            assert _read(reader, infos[2]) == data[2]
+            assert {e.url for e in cache.entries()} == {infos[needed].url, infos[2].url}
+
+
+def test_prefetch_downloads_the_next_shard_under_its_cap(tmp_path):
+    data = [_random_file(tmp_path / f"s{i}.tar", 1000) for i in range(3)]
+    infos = [_slow_info(tmp_path / f"s{i}.tar") for i in range(3)]
+    cache = ShardCache(tmp_path / "cache", limit=8000)  # a quarter holds 2 shards
+    with cache.session(prefetch=1) as session:
+        session.set_plan(infos, [0, 10, 20])
+        assert _read(session, infos[0]) == data[0]
+        _wait_until(lambda: len(cache.entries()) == 2)
+        session.advance(10)
+        assert _read(session, infos[1]) == data[1]
+        _wait_until(lambda: len(cache.entries()) == 3)
+    assert cache.stats()["hits"] == 1 and cache.stats()["downloads"] == 3
+    small = ShardCache(tmp_path / "small", limit=3000)  # a quarter holds no shard
+    with small.session(prefetch=1) as session:
+        session.set_plan(infos, [0, 10, 20])
+        assert _read(session, infos[0]) == data[0]
+        time.sleep(0.5)
+    assert len(small.entries()) == 1
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_wrong_byte_count_raises_naming_the_url_and_leaves_nothing(tmp_path):
+    _random_file(tmp_path / "s.tar", 1000)
+    info = _slow_info(tmp_path / "s.tar", size=999)
+    cache = ShardCache(tmp_path / "cache")
+    with cache.session() as session, pytest.raises(ShardError, match="indexed 999") as caught:
+        session.open(info)
+    assert caught.value.url == info.url
+    assert _parts(cache.cache_dir) == [] and cache.entries() == []
+
+
+def test_a_stalled_download_is_aborted(tmp_path, monkeypatch):
+    _random_file(tmp_path / "s.tar", 1000)
+    monkeypatch.setenv("NNH_TEST_READ_DELAY", "30")
+    monkeypatch.setattr(shard_cache, "STALL_SECONDS", 0.3)
+    cache = ShardCache(tmp_path / "cache")
+    info = _slow_info(tmp_path / "s.tar")
+    with cache.session() as session, pytest.raises(ShardError, match="no progress") as caught:
+        session.open(info)
+    assert caught.value.url == info.url
+    assert _parts(cache.cache_dir) == [] and cache.entries() == []
+
+
+@pytest.mark.parametrize("waiter", [True, False])
+def test_a_killed_download_leaves_no_entry(tmp_path, monkeypatch, waiter):
+    """SIGKILL mid-download: nobody reads the part; a waiting process takes over and finishes
+    the read; the part is gone after the next claim, or after verify()."""
+    data = _random_file(tmp_path / "s.tar", 1 << 20)
+    monkeypatch.setenv("NNH_TEST_READ_DELAY", "0.05")
+    monkeypatch.setattr(shard_cache, "CHUNK_BYTES", 64 << 10)  # 16 slow reads
+    cache_dir = str(tmp_path / "cache")
+    cache = ShardCache(cache_dir)
+    info = _slow_info(tmp_path / "s.tar")
+    writer = _FORK.Process(target=_open_and_hold, args=(cache_dir, info))
+    writer.start()
+    try:
+        _wait_until(lambda: _parts(cache_dir))
+        results = _FORK.Queue()
+        if waiter:
+            args = (_read_through_cache, 0, (cache_dir, None, [info], {}, [0]), results)
+            reader = _FORK.Process(target=_child, args=args)
+            reader.start()
+            time.sleep(0.2)  # it waits on the part's lock by now (or finds it dead later)
+        os.kill(writer.pid, signal.SIGKILL)
+    finally:
+        writer.join()
+    assert cache.entries() == []
+    if waiter:
+        _, digests, error = results.get(timeout=60)
+        reader.join()
+        assert error is None, error
+        assert digests == {0: _digest(data)}
+        assert _parts(cache_dir) == [] and cache.verify() == []
+    else:
+        assert len(_parts(cache_dir)) == 1  # left by the dead writer, read by nobody
+        (problem,) = cache.verify()
+        assert "dead download" in problem and _parts(cache_dir) == []
+    assert [e.url for e in cache.entries()] == ([info.url] if waiter else [])
+
+
+def test_an_earlier_boots_copy_is_checked_before_use(tmp_path):
+    data = [_random_file(tmp_path / f"s{i}.tar", 5000) for i in range(2)]
+    infos = [_slow_info(tmp_path / f"s{i}.tar") for i in range(2)]
+    cache = ShardCache(tmp_path / "cache")
+    cache.warm(infos)
+    for entry in cache.entries():  # as after a crash: an earlier boot, unsynced content
+        record = os.path.join(os.path.dirname(entry.path), f"{entry.key}.json")
+        meta = json.loads(open(record).read())
+        open(record, "w").write(json.dumps({**meta, "boot_id": "an-earlier-boot"}))
+        if entry.url == infos[0].url:
+            with open(entry.path, "r+b") as f:
+                f.write(b"\0" * 4096)
+    with cache.session() as session:
+        assert [_read(session, info) for info in infos] == data
+    assert cache.stats()["downloads"] == 3 and cache.stats()["hits"] == 1  # s0 fetched again
+    assert cache.verify() == []
+    entry = cache.entries()[0]
+    with open(entry.path, "r+b") as f:
+        f.truncate(100)
+    (problem,) = cache.verify()
+    assert "size 100" in problem and len(cache.entries()) == 1
+
+
+def test_a_released_plan_lives_for_the_grace_period(tmp_path, monkeypatch):
+    cache = ShardCache(tmp_path / "cache")
+    _random_file(tmp_path / "s.tar", 10)
+    session = cache.session(prefetch=0)
+    session.set_plan([_slow_info(tmp_path / "s.tar")], [0])
+    session.close()
+    plans = os.listdir(os.path.join(cache.cache_dir, "procs"))
+    assert len(plans) == 1 and cache.verify() == [] and len(os.listdir(cache._folder("procs")))
+    monkeypatch.setattr(shard_cache, "PLAN_GRACE_SECONDS", 0.0)
+    time.sleep(0.05)
+    cache.verify()
+    assert os.listdir(os.path.join(cache.cache_dir, "procs")) == []
+
+
+# ---------------------------------------------------------------- many processes, S3
+
+
+def test_four_processes_on_a_cold_cache_fetch_each_shard_once(moto_s3, tar_shards, tmp_path):
+    paths = tar_shards([20] * 6, size=4000)
+    infos = _s3_shards(moto_s3, paths, "cold")
+    expected = {i: _digest(open(p, "rb").read()) for i, p in enumerate(paths)}
+    cache_dir = str(tmp_path / "cache")
+    barrier = _FORK.Barrier(4)
+    orders = [np.roll(np.arange(6), k).tolist() for k in range(4)]
+    args = [(cache_dir, None, infos, moto_s3.storage_options, o, barrier) for o in orders]
+    assert _run_processes(_read_through_cache, args) == [expected] * 4
+    stats = ShardCache(cache_dir).stats()
+    assert (stats["downloads"], stats["hits"], stats["around"], stats["files"]) == (6, 18, 0, 6)
+
+
+def test_the_folder_never_holds_more_than_the_limit(moto_s3, tar_shards, tmp_path):
+    """4 processes read 12 shards in different orders, prefetching, through a cache of 3.5
+    shards; sampled every 20 ms, the folder never holds more than the limit plus one shard."""
+    paths = tar_shards([10] * 12, size=20_000)
+    infos = _s3_shards(moto_s3, paths, "small")
+    size = max(info.size for info in infos)
+    limit = int(3.5 * size)
+    cache_dir = str(tmp_path / "cache")
+    ShardCache(cache_dir, limit)
+    peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _files_bytes(cache_dir))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    orders = [np.random.default_rng(k).permutation(12).tolist() for k in range(4)]
+    args = [(cache_dir, limit, infos, moto_s3.storage_options, o, None, 1) for o in orders]
+    try:
+        results = _run_processes(_read_through_cache, args)
+    finally:
+        stop.set()
+        sampler.join()
+    expected = {i: _digest(open(p, "rb").read()) for i, p in enumerate(paths)}
+    assert results == [expected] * 4
+    assert 0 < peak[0] <= limit + size
+    assert _files_bytes(cache_dir) <= limit
+
+
+def test_a_shard_rewritten_with_the_same_size_is_read_anew(moto_s3, tar_shards, tmp_path):
+    (path,) = tar_shards([4], size=600)
+    options = moto_s3.storage_options
+    (old,) = _s3_shards(moto_s3, [path], "rewritten")
+    before = open(path, "rb").read()
+    after = before.replace(sample_bytes(1, 600), sample_bytes(7, 600))  # a payload, not a header
+    assert len(after) == len(before) and after != before
+    fsspec.filesystem("s3", **options, skip_instance_cache=True).pipe(old.url, after)
+    (new,) = build_shard_index(old.url, storage_options=options).shards
+    assert new.size == old.size and new.version != old.version
+    cache = ShardCache(tmp_path / "cache")
+    with cache.session(storage_options=options) as session:
+        assert _read(session, new, options) == after
+        with pytest.raises(StaleIndexError) as caught:  # the old index must not get new bytes
+            session.open(old)
+    assert caught.value.url == old.url
+    assert [e.version for e in cache.entries()] == [new.version]
+
+
+def test_parquet_goes_through_the_cache(moto_s3, parquet_shards, tmp_path):
+    paths = parquet_shards([7, 5])
+    infos = _s3_shards(moto_s3, paths, "tables")
+    cache = ShardCache(tmp_path / "cache")
+    for _ in range(2):
+        with cache.session(storage_options=moto_s3.storage_options) as session:
+            rows = []
+            for info in infos:
+                rows += pq.read_table(session.open(info)).column("id").to_pylist()
+                session.release(info)
+            assert rows == list(range(12))
+    assert (cache.stats()["downloads"], cache.stats()["hits"]) == (2, 2)
+
+
+# ---------------------------------------------------------------- the policy, end to end
+
+
+def test_the_cache_follows_the_plans_on_the_trace(tmp_path):
+    """The 96-shard trace replayed through a real cache (8 sessions, one per worker, in global
+    time order; each pins the shard it reads): epochs 1-3 fetch what the simulation of the
+    same policy fetches, within 5%, and at most 0.8x / 0.7x what LRU fetches."""
+    bench = _bench()
+    trace = bench.demand_trace()
+    infos = []
+    for shard in range(bench.SHARDS):
+        _random_file(tmp_path / f"s{shard}.tar", 1000)
+        infos.append(_slow_info(tmp_path / f"s{shard}.tar"))
+    for capacity, bound in ((24, 0.8), (48, 0.7)):
+        fetched = _replay(trace, infos, ShardCache(tmp_path / f"c{capacity}", capacity * 1000))
+        simulated = bench.count_fetches(trace, capacity, "plans")
+        assert abs(fetched - simulated) <= 0.05 * simulated, (capacity, fetched, simulated)
+        assert fetched <= bound * bench.count_fetches(trace, capacity, "lru")
+
+
+def _replay(trace, infos, cache) -> int:
+    """Fetches (downloads and reads around the cache) of epochs 1 on."""
+    sessions = [cache.session(prefetch=0, num_workers=trace.num_workers)
+                for _ in range(trace.readers)]  # fmt: skip
+    current = [None] * trace.readers
+    epoch_of_plans, before = -1, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for g, reader, shard, epoch in trace.events:
+            if epoch != epoch_of_plans:
+                epoch_of_plans = epoch
+                _plan_epoch(trace, infos, sessions, epoch)
+                if epoch == 1:
+                    before = cache.stats()
+            for r, session in enumerate(sessions):
+                session.advance(-(-(g - r % trace.num_workers) // trace.num_workers))
+            if current[reader] is not None:
+                sessions[reader].release(current[reader])
+            current[reader] = infos[shard] if sessions[reader].open(infos[shard]) else None
+    after = cache.stats()
+    for session in sessions:
+        session.close()
+    return sum(after[k] - before[k] for k in ("downloads", "around"))
+
+
+def _plan_epoch(trace, infos, sessions, epoch) -> None:
+    for reader, session in enumerate(sessions):
+        reads = [r for e in (epoch, epoch + 1) if e < len(trace.schedules)
+                 for r in trace.schedules[e][reader]]  # fmt: skip
+        session.set_plan([infos[s] for s, _ in reads], [t for _, t in reads])
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_cli_warm_stats_verify_clear(moto_s3, tar_shards, tmp_path, capsys):
+    paths = tar_shards([10] * 8, size=1000)
+    infos = _s3_shards(moto_s3, paths, "warm")
+    cache_dir = str(tmp_path / "cache")
+    options = json.dumps(moto_s3.storage_options)
+    source = "s3://warm/*.tar"
+    argv = ["cache", "warm", source, "--cache-dir", cache_dir, "--storage-options", options,
+            "--world-size", "4", "--ranks", "0-1", "--num-workers", "2",
+            "--shuffle-window", "16"]  # fmt: skip
+    assert main(argv) == 0
+    assert "warmed" in capsys.readouterr().out
+    counts = [info.num_samples for info in infos]
+    first = {
+        shard
+        for rank in (0, 1)
+        for worker in (0, 1)
+        for shard, _ in read_schedule(
+            counts,
+            seed=0,
+            epoch=0,
+            window=16,
+            world_size=4,
+            rank=rank,
+            num_workers=2,
+            worker=worker,
+        )  # fmt: skip
+    }
+    assert {e.url for e in ShardCache(cache_dir).entries()} == {infos[s].url for s in first}
+    assert main(["cache", "stats", cache_dir, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["files"] == len(first) and stats["downloads"] == len(first)
+    assert {"bytes", "limit", "in_flight", "hits", "around", "evictions"} <= set(stats)
+    assert main(["cache", "stats", cache_dir]) == 0
+    assert f"files: {len(first)}" in capsys.readouterr().out
+    victim = ShardCache(cache_dir).entries()[0]
+    with open(victim.path, "r+b") as f:
+        f.truncate(10)
+    assert main(["cache", "verify", cache_dir]) == 0
+    assert "1 problem(s)" in capsys.readouterr().out
+    assert main(["cache", "clear", cache_dir]) == 0
+    assert ShardCache(cache_dir).entries() == []
+    small = ["--limit", str(2 * max(i.size for i in infos) + 1)]
+    assert main(argv + small) == 0
+    assert "warmed 2 of" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["cache", "stats", "/nonexistent"], "cache_dir must be a shard cache folder"),
+        (["cache", "warm", "x.tar", "--cache-dir", "{tmp}", "--limit", "lots"], "cache_limit"),
+        (["cache", "warm", "x.tar", "--cache-dir", "{tmp}", "--ranks", "5"], "--ranks"),
+    ],
+)
+def test_cli_errors_are_one_line(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as caught:
+        main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and message in err and err.count("\n") == 1
