@@ -5,9 +5,9 @@ Prints one JSON object. The dataset is in memory (3 KiB uint8 images and labels)
 ``create_rank_cached_dataloader`` versus a plain ``DataLoader`` over a ``DistributedSampler``
 (batches of 64, no workers; ``cached_vs_plain``, target >= 5), and versus the same plain loader
 with 2 persistent workers (``cached_vs_plain_workers``); rates are the best of a few rounds in
-which the loaders take turns, with ``set_epoch`` before every epoch. The cache's bytes on the
-largest rank for 1 and 4 ranks (ranks set through ``RANK``/``WORLD_SIZE``, as without a process
-group; ``bytes_4_vs_1``, target <= 0.3).
+which the loaders take turns (``best_rates`` of common.py), with ``set_epoch`` before every
+epoch. The cache's bytes on the largest rank for 1 and 4 ranks (ranks set through
+``RANK``/``WORLD_SIZE``, as without a process group; ``bytes_4_vs_1``, target <= 0.3).
 
     .venv/bin/python tools/bench/loaders.py [--samples 20000] [--rounds 5]
 """
@@ -20,6 +20,7 @@ import os
 import time
 
 import torch
+from common import best_rates  # tools/bench/common.py, beside this file
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from nnh_data.loaders import create_rank_cached_dataloader
@@ -47,12 +48,10 @@ class SpinningDataset(Dataset):
         return {"image": self.images[i], "label": self.labels[i]}
 
 
-def epoch_rate(loader: DataLoader, sampler, epoch: int) -> float:
-    """Samples/s of one epoch of ``loader`` (after ``sampler.set_epoch(epoch)``)."""
-    sampler.set_epoch(epoch)
-    start = time.perf_counter()
-    count = sum(len(batch["label"]) for batch in loader)
-    return count / (time.perf_counter() - start)
+def next_epoch(loader: DataLoader, sampler) -> int:
+    """Samples of the next epoch of ``loader`` (after ``sampler.set_epoch``); their count."""
+    sampler.set_epoch(sampler.epoch + 1)
+    return sum(len(batch["label"]) for batch in loader)
 
 
 def cache_bytes(dataset: Dataset, world_size: int) -> int:
@@ -82,12 +81,15 @@ def main() -> None:
         dataset, {"batch_size": BATCH, "num_workers": 0}, "cpu", log_fn=len
     )
     first_pass = time.perf_counter() - start
-    epoch_rate(workers, plain_sampler, 0)  # start the workers outside the timings
-    best = dict.fromkeys(("plain", "workers", "cached"), 0.0)
-    for epoch in range(1, args.rounds + 1):
-        best["plain"] = max(best["plain"], epoch_rate(plain, plain_sampler, epoch))
-        best["workers"] = max(best["workers"], epoch_rate(workers, plain_sampler, epoch))
-        best["cached"] = max(best["cached"], epoch_rate(cached, cached_sampler, epoch))
+    next_epoch(workers, plain_sampler)  # start the workers outside the timings
+    best = best_rates(
+        {
+            "plain": lambda: next_epoch(plain, plain_sampler),
+            "workers": lambda: next_epoch(workers, plain_sampler),
+            "cached": lambda: next_epoch(cached, cached_sampler),
+        },
+        args.rounds,
+    )
     one, four = cache_bytes(dataset, 1), cache_bytes(dataset, 4)
     result = {
         "samples": args.samples,

@@ -13,9 +13,9 @@ import argparse
 import hashlib
 import json
 import random
-import time
 
 import numpy as np
+from common import best_rate  # tools/bench/common.py, beside this file
 
 from nnh_data import (
     gen_augmentation_params_batch,
@@ -34,16 +34,6 @@ def sha256_reference(base_seed: int, rank: int, sample_id: int, ranges) -> dict:
     rng = random.Random(int(digest, 16))
     names = ("rotation", "brightness", "noise", "scale", "contrast")
     return {name: rng.uniform(low, high) for name, (low, high) in zip(names, ranges)}
-
-
-def best_rate(fn, count: int, repeats: int) -> float:
-    """Best items/s of ``fn()`` over ``repeats`` runs (the least disturbed by other load)."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return count / best
 
 
 def main() -> None:

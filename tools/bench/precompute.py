@@ -6,7 +6,7 @@ with ``gen_augmentation_params_batch`` alone, 1M at a time (target >= 0.5: writi
 dominate). ``lookup_vs_generate``: rows/s of ``PrecomputedParams.batch`` on shuffled windows of
 4096 ids over generating those windows. Peak RSS (VmHWM) of a fresh process writing the table
 of 1x and 10x the samples (``rss_growth`` = 10x / 1x - 1, target < 0.1). Rates are the best of
-a few rounds in which a figure and its baseline take turns (``best_rates`` of streaming.py).
+a few rounds in which a figure and its baseline take turns (``best_rates`` of common.py).
 
     .venv/bin/python tools/bench/precompute.py [--samples 10000000] [--repeats 3]
 """
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from streaming import best_rates, in_fresh_process  # tools/bench/streaming.py, beside this file
+from common import best_rates, rss_growth  # tools/bench/common.py, beside this file
 
 from nnh_data.augment import gen_augmentation_params_batch
 from nnh_data.precompute import PrecomputeSpec, load_precomputed_params, write_precomputed_params
@@ -51,16 +51,13 @@ def windows(num_samples: int, count: int) -> list[np.ndarray]:
     return [rng.permutation(np.arange(s, s + WINDOW)) for s in np.sort(starts)]
 
 
-def peak_rss_mib(samples: int, root: str) -> float:
-    """Peak RSS (MiB) of a fresh process that writes the table of ``samples`` samples: its
-    VmHWM (not ``ru_maxrss``, which Linux carries over from the forking parent)."""
-    return in_fresh_process(
+def write_table(samples: int, root: str) -> str:
+    """Code that writes the table of ``samples`` samples under ``root`` (for a fresh process)."""
+    return (
         "import tempfile\n"
         "from nnh_data.precompute import PrecomputeSpec, write_precomputed_params\n"
         f"write_precomputed_params(PrecomputeSpec({samples}, 1), tempfile.mkdtemp(dir={root!r}),"
-        " progress=False)\n"
-        "print(next(int(line.split()[1]) for line in open('/proc/self/status')"
-        " if line.startswith('VmHWM')) / 1024)"
+        " progress=False)"
     )
 
 
@@ -88,8 +85,7 @@ def main() -> None:
             args.repeats,
         )
         file_bytes = sum(path.stat().st_size for path in Path(table).glob("*.parquet"))
-        rss_1x = peak_rss_mib(args.samples // 10, root)
-        rss_10x = peak_rss_mib(args.samples, root)
+        rss = rss_growth(write_table(args.samples // 10, root), write_table(args.samples, root))
     result = {
         "samples": args.samples,
         "rows_per_file": spec.rows_per_file,
@@ -100,9 +96,7 @@ def main() -> None:
         "window_generate_rows_per_s": round(lookup["generate"]),
         "lookup_rows_per_s": round(lookup["lookup"]),
         "lookup_vs_generate": round(lookup["lookup"] / lookup["generate"], 2),
-        "peak_rss_mib_1x": round(rss_1x, 1),
-        "peak_rss_mib_10x": round(rss_10x, 1),
-        "rss_growth": round(rss_10x / rss_1x - 1, 3),
+        **rss,
     }
     print(json.dumps(result))
 

@@ -20,15 +20,13 @@ import argparse
 import glob
 import json
 import os
-import subprocess
-import sys
 import tarfile
 import tempfile
-import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import webdataset as wds
+from common import best_rates, in_fresh_process, rss_growth  # tools/bench/common.py
 
 from nnh_data.shards import build_shard_index
 from nnh_data.streaming import ShardedStreamingDataset
@@ -60,21 +58,6 @@ def write_parquet(folder: str, count: int) -> list[str]:
         paths.append(f"{folder}/part-{i:06d}.parquet")
         pq.write_table(table, paths[-1], row_group_size=1000)
     return paths
-
-
-def best_rates(fns: dict, repeats: int) -> dict[str, float]:
-    """Best items/s of each ``fn()`` (which returns the item count) over ``repeats`` rounds.
-
-    The functions take turns within a round, so that a change in machine load between rounds
-    affects a figure and its baseline alike.
-    """
-    best = dict.fromkeys(fns, 0.0)
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            count = fn()
-            best[name] = max(best[name], count / (time.perf_counter() - start))
-    return best
 
 
 def tarfile_count(urls: list[str]) -> int:
@@ -111,12 +94,6 @@ def nnh_batched(index) -> int:
     return sum(len(b["__index__"]) for b in ShardedStreamingDataset(index, batch_size=BATCH))
 
 
-def in_fresh_process(code: str) -> float:
-    """Run ``code`` (which prints one number) in a new interpreter; the number."""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout)
-
-
 def first_sample_seconds(pattern: str) -> float:
     """Seconds from opening ``pattern`` (index sidecar on disk) to the first sample, measured in a
     fresh process after its imports."""
@@ -129,13 +106,11 @@ def first_sample_seconds(pattern: str) -> float:
     )
 
 
-def peak_rss_mib(source: str) -> float:
-    """Peak RSS (MiB, VmHWM) of a fresh process that streams every sample of ``source`` once."""
-    return in_fresh_process(
+def stream_all(source: str) -> str:
+    """Code that streams every sample of ``source`` once (for a fresh process)."""
+    return (
         "from nnh_data.streaming import ShardedStreamingDataset\n"
-        f"n = sum(1 for _ in ShardedStreamingDataset({source!r}))\n"
-        "status = open('/proc/self/status').read()\n"
-        "print(int(status.split('VmHWM:')[1].split()[0]) / 1024)"
+        f"n = sum(1 for _ in ShardedStreamingDataset({source!r}))"
     )
 
 
@@ -175,8 +150,10 @@ def main() -> None:
         write_shards(samples(9 * n, n), f"{tmp}/tar/train-%06d.tar", start_shard=len(urls),
                      max_count=PER_SHARD)  # fmt: skip
         build_shard_index(f"{tmp}/tar/train-*.tar")
-        rss_1x = peak_rss_mib(f"{tmp}/tar/train-{{000000..{len(urls) - 1:06d}}}.tar")
-        rss_10x = peak_rss_mib(f"{tmp}/tar/train-*.tar")
+        rss = rss_growth(
+            stream_all(f"{tmp}/tar/train-{{000000..{len(urls) - 1:06d}}}.tar"),
+            stream_all(f"{tmp}/tar/train-*.tar"),
+        )
     result = {
         "samples": n,
         "sample_bytes": SAMPLE_BYTES,
@@ -192,9 +169,7 @@ def main() -> None:
         "pyarrow_columns_rows_per_s": round(parquet["pyarrow_columns"]),
         "parquet_batched_vs_pyarrow": round(parquet["nnh_batched"] / parquet["pyarrow_columns"], 2),
         "first_sample_s_10000_shards": round(first, 3),
-        "peak_rss_mib_1x": round(rss_1x, 1),
-        "peak_rss_mib_10x": round(rss_10x, 1),
-        "rss_growth": round(rss_10x / rss_1x - 1, 3),
+        **rss,
     }
     print(json.dumps(result))
 
