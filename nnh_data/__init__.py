@@ -18,6 +18,7 @@ from nnh_data.loaders import (
     create_rank_cached_dataloader,
     rank_share,
 )
+from nnh_data.mixing import Source, plan_counts
 from nnh_data.precompute import (
     PrecomputedParams,
     PrecomputeSpec,
@@ -57,6 +58,7 @@ __all__ = [
     "ShardIndex",
     "ShardInfo",
     "ShardedStreamingDataset",
+    "Source",
     "StaleIndexError",
     "apply_augmentation",
     "build_shard_index",
@@ -72,6 +74,7 @@ __all__ = [
     "list_presets",
     "load_precomputed_params",
     "merge_states",
+    "plan_counts",
     "rank_share",
     "state_from_loader",
     "stream_distributed_augmentation_chain",

@@ -1,6 +1,6 @@
 """One pass of the streaming dataset as a chain of generator stages, WebDataset style.
 
-plan -> read -> assemble -> parameters -> count, each a plain function over iterables:
+plan -> read -> assemble [-> mix] -> parameters -> count, each a plain function over iterables:
 
 - plan (:func:`read_plan`, :func:`pad_plan`): the read blocks ``(shard, start, stop, concat
   start)`` that cover a worker's epoch positions: the windows they touch, in concat order, in
@@ -10,6 +10,8 @@ plan -> read -> assemble -> parameters -> count, each a plain function over iter
   :class:`Rows` says how to cut, join, take and label either, so every stage serves both modes.
 - assemble (:func:`assemble`): per window, the rows of the concat range it covers taken in
   epoch order, as a :class:`Part` with its labels (``__index__``, ``__pad__``).
+- mix (:func:`mix`, several sources only): rows of the sources' part streams interleaved in
+  the order of the mixed epoch.
 - parameters (:func:`with_parameters`): each part's augmentation parameters, as columns, in
   one call per part.
 - count (:func:`hand_out_samples`, :func:`hand_out_batches`): items handed to the loader one
@@ -44,6 +46,7 @@ __all__ = [
     "assemble",
     "hand_out_batches",
     "hand_out_samples",
+    "mix",
     "pad_plan",
     "read_plan",
     "window_groups",
@@ -247,6 +250,58 @@ def assemble(
         yield Part(block, {"__index__": ids, "__pad__": np.ones(1, bool)}, ids)
 
 
+# ---------------------------------------------------------------- mix
+
+
+class _PartCursor:
+    """The rows of a stream of parts, taken ``n`` at a time as parts."""
+
+    def __init__(self, parts: Iterator[Part], rows: Rows) -> None:
+        self._parts, self._ops = parts, rows
+        self._held: Part | None = None
+
+    def take(self, n: int) -> Part:
+        pieces = []
+        while n:
+            if self._held is None or self._held.keys.size == 0:
+                self._held = next(self._parts)
+                continue
+            part, k = self._held, min(n, self._held.keys.size)
+            pieces.append(_cut_part(part, 0, k, self._ops))
+            self._held = _cut_part(part, k, part.keys.size, self._ops)
+            n -= k
+        return pieces[0] if len(pieces) == 1 else _join_parts(pieces, self._ops)
+
+
+def _cut_part(part: Part, a: int, b: int, rows: Rows) -> Part:
+    return Part(rows.cut(part.rows, a, b), batching.cut(part.labels, a, b), part.keys[a:b])
+
+
+def _join_parts(parts: list[Part], rows: Rows) -> Part:
+    labels = batching.concat([p.labels for p in parts])
+    return Part(rows.join([p.rows for p in parts]), labels, np.concatenate([p.keys for p in parts]))
+
+
+def mix(streams: list[Iterator[Part]], chunks: Iterable[np.ndarray], rows: Rows) -> Iterator[Part]:
+    """Parts whose rows come from several part ``streams``: each of ``chunks`` gives the
+    stream of every row of one part, in order (each stream is read in its own order).
+
+    Example:
+        >>> a = iter([Part([1, 2, 3], {"__index__": np.arange(3)}, np.arange(3))])
+        >>> b = iter([Part([10, 20], {"__index__": np.arange(2)}, np.arange(2))])
+        >>> [p.rows for p in mix([a, b], [np.array([0, 1, 0]), np.array([1, 0])], SAMPLES)]
+        [[1, 10, 2], [20, 3]]
+    """
+    cursors = [_PartCursor(iter(s), rows) for s in streams]
+    for sources in chunks:
+        used = np.unique(sources)
+        combined = _join_parts([cursors[s].take(int((sources == s).sum())) for s in used], rows)
+        where = np.empty(sources.size, dtype=np.int64)  # row i of the chunk is combined[where[i]]
+        where[np.argsort(sources, kind="stable")] = np.arange(sources.size)
+        yield Part(rows.take(combined.rows, where), batching.take(combined.labels, where),
+                   combined.keys[where])  # fmt: skip
+
+
 # ---------------------------------------------------------------- parameters
 
 
@@ -265,29 +320,42 @@ def with_parameters(
 def hand_out_samples(
     parts: Iterable[Part],
     progress: Progress,
-    finish: Callable[[dict], Any],
+    finish: Callable[[dict], Any] | None,
     skipped: Callable[[dict], None],
 ) -> Iterator[Any]:
     """The samples of ``parts``, each with its labels and ``__aug__`` (its parameters as a
-    dict), passed through ``finish`` (which returns :data:`LEFT_OUT` to leave one out).
-    Unreadable samples (``None`` rows) are reported to ``skipped`` with their labels."""
+    dict), passed through ``finish`` unless it is None (it returns :data:`LEFT_OUT` to leave
+    one out). An unreadable sample (a ``None`` row) is reported to ``skipped`` with its labels
+    when its turn comes."""
     for part in parts:
-        names, cols = list(part.labels), [c.tolist() for c in part.labels.values()]
-        params = part.params
-        names.append("__aug__")
-        cols.append(batching.rows_of(list(params), [c.tolist() for c in params.values()]))
+        labels = _label_lists(part)
+        index, pad, aug = labels.pop("__index__"), labels.pop("__pad__"), labels.pop("__aug__")
+        extra = batching.rows_of(list(labels), list(labels.values())) if labels else repeat({})
         stack = [_DONE]
         stack += reversed(part.rows)
-        del part  # the stack holds the samples now, and lets go of each as it is handed out
+        del part  # the stack holds the samples, and lets go of each as it is handed out
         progress.start_window(stack)
-        for sample, label in zip(iter(stack.pop, _DONE), batching.rows_of(names, cols)):
+        for sample, i, p, a, more in zip(iter(stack.pop, _DONE), index, pad, aug, extra):
             if sample is None:
-                skipped(label)
+                skipped({"__index__": i, "__pad__": p, "__aug__": a, **more})
                 continue
-            sample.update(label)
-            if (sample := finish(sample)) is not LEFT_OUT:
+            sample["__index__"], sample["__pad__"], sample["__aug__"] = i, p, a
+            if more:
+                sample.update(more)
+            if finish is None:
+                yield sample
+            elif (sample := finish(sample)) is not LEFT_OUT:
                 yield sample
     progress.start_window([])
+
+
+def _label_lists(part: Part) -> dict[str, list]:
+    """A part's labels and parameters (``__aug__``, one dict per row) as lists of Python
+    values, ready to set in its sample dicts."""
+    out = {n: c.tolist() if isinstance(c, np.ndarray) else c for n, c in part.labels.items()}
+    params = part.params
+    out["__aug__"] = batching.rows_of(list(params), [c.tolist() for c in params.values()])
+    return out
 
 
 def hand_out_batches(

@@ -6,24 +6,25 @@ contiguous range per rank, padded (``uneven="pad"``) or truncated (``"drop"``) t
 then into one contiguous range per DataLoader worker (in whole loader batches). A pass of a
 worker is the chain of generator stages of :mod:`nnh_data.stages`: plan the read blocks behind
 its positions, read them (one block fetched ahead in a thread while the current one is
-decoded), assemble each window's rows in the window's permuted order, add the parameters of
-``gen_augmentation_params_batch`` once per window, and hand the items out one by one or, with
-``batch_size``, in batches of columns, counting them. The dataset object holds the settings,
-the epoch (in shared memory, so persistent workers see ``set_epoch``) and the resume state
-(:mod:`nnh_data.resume`: a worker yields a prefix of its range, so its progress is one count).
-Counting happens when an item is handed to the loader, so prefetched samples are not counted
-by a worker's state until the loader yields the batch that holds them.
+decoded), assemble each window's rows in the window's permuted order (per source,
+:mod:`nnh_data.source_reader`), interleave the sources (:mod:`nnh_data.mixing`), add the
+parameters of ``gen_augmentation_params_batch`` once per part, and hand the items out one by
+one or, with ``batch_size``, in batches of columns, counting them. The dataset object holds the
+settings, the epoch (in shared memory, so persistent workers see ``set_epoch``) and the resume
+state (:mod:`nnh_data.resume`: a worker yields a prefix of its range, so its progress is one
+count). Counting happens when an item is handed to the loader, so prefetched samples are not
+counted by a worker's state until the loader yields the batch that holds them.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import hashlib
+import json
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -33,11 +34,11 @@ from torch.utils.data import IterableDataset
 
 from nnh_data import stages
 from nnh_data.augment import AugmentationConfig, gen_augmentation_params_batch
-from nnh_data.batching import Columns, take
 from nnh_data.checks import check_choice, check_int
-from nnh_data.order import UNEVEN, EpochOrder, Intervals, base_size, rank_span, worker_plan
+from nnh_data.error_policy import ON_ERROR, ErrorPolicy
+from nnh_data.mixing import MixedOrder, Source, SourceDraws, plan_counts, source_seed
+from nnh_data.order import UNEVEN, Intervals, WorkerPlan, base_size, rank_span, worker_plan
 from nnh_data.precompute import PrecomputedParams, load_precomputed_params
-from nnh_data.readahead import read_ahead
 from nnh_data.resume import (
     check_matches,
     check_state,
@@ -48,31 +49,16 @@ from nnh_data.resume import (
     state_from_loader,
 )
 from nnh_data.seeding import MASK64
-from nnh_data.shards import (
-    ShardError,
-    ShardIndex,
-    ShardReader,
-    StaleIndexError,
-    build_shard_index,
-    decode_shard_columns,
-    decode_shard_range,
-    decode_tar_each,
-    split_shard_range,
-)
-from nnh_data.stages import LEFT_OUT, SKIPPED, Progress
+from nnh_data.shards import ShardIndex, build_shard_index
+from nnh_data.source_reader import SourceReader
+from nnh_data.stages import LEFT_OUT, Progress
 from nnh_data.topology import built_on_rank0, dist_info, dist_ready, in_worker_process, worker_info
 
 __all__ = ["ShardedStreamingDataset", "merge_states", "state_from_loader"]
 
-_READ_BYTES = 8 << 20
-_ON_ERROR = ("raise", "skip")
 _LOCAL_PROTOCOLS = ("file", "local", "memory")
 _REMOTE_READAHEAD = 2
-
-
-def _is_local(index: ShardIndex) -> bool:
-    """True when the shards lie on a local or in-memory filesystem (judged by the first)."""
-    return not index.shards or get_protocol(index.shards[0].url) in _LOCAL_PROTOCOLS
+_MIX_CHUNK = 4096  # mixed positions interleaved per part
 
 
 @dataclass
@@ -91,31 +77,33 @@ class ShardedStreamingDataset(IterableDataset):
     """An ``IterableDataset`` over tar or Parquet shards, split by samples over ranks and workers.
 
     Each sample is a dict of its fields plus ``__key__``, ``__shard__`` (URL), ``__index__``
-    (global sample id), ``__aug__`` (augmentation parameters keyed by id and epoch) and
-    ``__pad__`` (True for the repeats that make ranks equal). ``source`` is anything
-    :func:`build_shard_index` takes (URLs, a glob, a brace pattern) or a built ``ShardIndex``.
-    ``shuffle_window`` bounds the in-window shuffle (and the decoded samples held in memory);
-    ``readahead`` is the number of read blocks fetched ahead in a thread; by default 2 for remote
-    filesystems and 0 for local and in-memory ones, where a thread only adds hand-off cost. With
-    ``on_error="skip"`` unreadable shards and samples are left out, counted in
-    ``error_counts`` (per shard URL, per process) and warned about once per shard; the rank
-    then yields fewer than ``len()`` samples; a shard found unreadable while indexing ``source``
-    is kept with 0 samples instead (its ``ShardInfo.error`` set). With DataLoader workers, take
-    and restore the state through torchdata's ``StatefulDataLoader``: the dataset object in the
-    main process does not see its workers' progress.
+    (sample id), ``__aug__`` (augmentation parameters keyed by id and epoch) and ``__pad__``
+    (True for the repeats that make ranks equal). ``source`` is anything
+    :func:`build_shard_index` takes (URLs, a glob, a brace pattern), a built ``ShardIndex``, or
+    a list of :class:`~nnh_data.mixing.Source` to mix several datasets; ``epoch_size`` sets the
+    samples per epoch (see :func:`~nnh_data.mixing.plan_counts`). With either, samples also
+    carry ``__source__`` (the source's name, default its position in the list) and
+    ``__repeat__`` (True for a sample drawn again in the same epoch, which gets its own
+    parameters); ``__index__`` is then the id within its source. ``shuffle_window`` bounds the
+    in-window shuffle (and the decoded samples held in memory); ``readahead`` is the number of
+    read blocks fetched ahead in a thread (default 2 for remote filesystems, 0 for local ones,
+    where a thread only adds hand-off cost). With ``on_error="skip"`` unreadable shards and
+    samples are left out, counted in ``error_counts`` and warned about once per shard; the rank
+    then yields fewer than ``len()`` samples. With DataLoader workers, take and restore the
+    state through torchdata's ``StatefulDataLoader`` (:func:`streaming_loader`).
 
     With ``batch_size`` the dataset yields batches instead of samples, for
     ``DataLoader(ds, batch_size=None)``: dicts of columns (:mod:`nnh_data.batching`) holding
     ``batch_size`` consecutive samples of the same stream, ``__aug__`` as the columns of
     ``gen_augmentation_params_batch``, ``__index__`` and ``__pad__`` as numpy arrays, Parquet
-    numeric columns as numpy arrays and other values as lists. No dict is built per sample,
-    so Parquet streams at about the speed of pyarrow itself. Worker ranges are cut in whole
-    batches, so ``len()`` is the rank's number of batches whatever ``num_workers``, and a rank
-    has at most one short batch (its last). ``decode`` then receives each batch.
+    numeric columns as numpy arrays and other values as lists; no dict is built per sample.
+    Worker ranges are cut in whole batches, so ``len()`` is the rank's number of batches
+    whatever ``num_workers``. ``decode`` then receives each batch. Mixed sources must then
+    have the same fields.
 
     Example:
         >>> ds = ShardedStreamingDataset("data/train-{000000..000009}.tar")  # doctest: +SKIP
-        >>> loader = torch.utils.data.DataLoader(ds, batch_size=32, num_workers=4)  # doctest: +SKIP
+        >>> loader = streaming_loader(ds, batch_size=32, num_workers=4)  # doctest: +SKIP
         >>> for epoch in range(3):  # doctest: +SKIP
         ...     ds.set_epoch(epoch)
         ...     for batch in loader: ...
@@ -123,8 +111,9 @@ class ShardedStreamingDataset(IterableDataset):
 
     def __init__(
         self,
-        source: str | Sequence[str] | ShardIndex,
+        source: str | Sequence[str] | ShardIndex | Source | Sequence[Source],
         *,
+        epoch_size: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         epoch: int = 0,
@@ -143,9 +132,14 @@ class ShardedStreamingDataset(IterableDataset):
         batch_size: int | None = None,
         precomputed: str | PrecomputedParams | None = None,
     ) -> None:
-        self.on_error = check_choice("on_error", on_error, _ON_ERROR)
-        self.index = _index_of(source, rank, world_size, format=format, on_error=on_error,
-                               storage_options=storage_options, index_path=index_path)  # fmt: skip
+        self.sources, self._mixed = _as_sources(source, epoch_size)
+        self.on_error = on_error = check_choice("on_error", on_error, ON_ERROR)
+        defaults = {"format": format, "storage_options": storage_options,
+                    "index_path": index_path, "on_error": on_error}  # fmt: skip
+        indexes = [_index_of(s, rank, world_size, defaults) for s in self.sources]
+        self._counts = plan_counts([i.total_samples for i in indexes], self.sources, epoch_size)
+        self.index = indexes[0] if len(indexes) == 1 else ShardIndex(
+            tuple(info for i in indexes for info in i.shards))  # fmt: skip
         self.rank, self.world_size = dist_info(rank, world_size)
         self.seed = check_int("seed", seed, low=0, high=MASK64)
         epoch = check_int("epoch", epoch, low=0, high=MASK64)
@@ -155,38 +149,42 @@ class ShardedStreamingDataset(IterableDataset):
         self.readahead = check_int("readahead", readahead, low=0)
         self.uneven = check_choice("uneven", uneven, UNEVEN)
         self.aug_config = _checked_config(aug_config)
-        if decode is not None and not callable(decode):
-            raise ValueError(f"decode must be a callable on samples or None, got {decode!r}")
+        self.decode = _checked_decode(decode)
         self.batch_size = None if batch_size is None else check_int("batch_size", batch_size, low=1)
         self.rank_aware_params = bool(rank_aware_params)
-        self.decode = decode
         self.storage_options = storage_options
-        self._counts = tuple(info.num_samples for info in self.index.shards)
-        self._starts = np.concatenate(([0], np.cumsum(self._counts, dtype=np.int64)))
-        self._nullable = sorted({name for info in self.index.shards for name in info.nullable})
-        self._fingerprint = self.index.fingerprint()
-        self._shard_number = {info.url: i for i, info in enumerate(self.index.shards)}
         # Shared with DataLoader workers (fork and spawn pass shared-memory tensors by handle):
         # the epoch, a flag set while workers iterate, and the samples skipped per shard.
-        self._shared = torch.zeros(2 + len(self._counts), dtype=torch.int64).share_memory_()
+        self._shared = torch.zeros(2 + len(self.index.shards), dtype=torch.int64).share_memory_()
         self._shared[0] = epoch
-        self._warned: set[str] = set()
+        urls = [info.url for info in self.index.shards]
+        self._errors = ErrorPolicy(on_error, urls, self._shared[2:])
+        self._readers = _source_readers(
+            self.sources, indexes, self._counts, seed=self.seed, window=self.window,
+            mixed=self._mixed, errors=self._errors, storage_options=storage_options,
+            readahead=self.readahead,
+        )  # fmt: skip
+        names = [reader.labels.get("__source__", 0) for reader in self._readers]
+        self._source_number = {name: s for s, name in enumerate(names)}
+        self._fingerprint = _fingerprint(self.sources, indexes, self._counts, self._mixed)
         self._loader_batch = 1
-        self._order: EpochOrder | None = None
         self._pending: dict | None = None
         self._pass: _Pass | None = None
-        if isinstance(precomputed, (str, os.PathLike)):
-            precomputed = load_precomputed_params(precomputed)
-        self._precomputed = precomputed
+        self._params = _Parameters(
+            self.aug_config, self.seed, self.rank if self.rank_aware_params else None,
+            self.world_size, _precomputed_of(precomputed, self._mixed),
+        )  # fmt: skip
         self._check_precomputed()
         self._param_columns(np.zeros(0, np.int64))  # validates the parameter settings now
+        if self._mixed and self.batch_size is not None:
+            _check_same_fields(self._readers)
 
     # ------------------------------------------------------------------ epoch, length, state
 
     @property
     def total_samples(self) -> int:
         """Samples in one epoch over all ranks (pads not counted)."""
-        return self.index.total_samples
+        return sum(self._counts)
 
     @property
     def epoch(self) -> int:
@@ -197,8 +195,7 @@ class ShardedStreamingDataset(IterableDataset):
     def error_counts(self) -> dict[str, int]:
         """Samples skipped as unreadable per shard URL, by this process and its DataLoader
         workers (``on_error="skip"``)."""
-        counts = self._shared[2:].tolist()
-        return {info.url: n for info, n in zip(self.index.shards, counts) if n}
+        return self._errors.counts()
 
     def set_epoch(self, epoch: int) -> None:
         """Iterate epoch ``epoch`` next, also in persistent DataLoader workers; a new epoch
@@ -234,11 +231,8 @@ class ShardedStreamingDataset(IterableDataset):
 
     def __len__(self) -> int:
         """Samples (batches, with ``batch_size``) this rank yields in the next pass, over all
-        its workers (pads included).
-
-        For a single worker's state (inside StatefulDataLoader workers) this is the length of
-        the whole pass that state belongs to.
-        """
+        its workers (pads included); for a single worker's state (inside StatefulDataLoader
+        workers), the length of the whole pass that state belongs to."""
         base = pass_base(self._pending, self.total_samples, self.uneven)
         length = rank_span(base_size(base), self.world_size, self.rank, self.uneven).length
         return length if self.batch_size is None else -(-length // self.batch_size)
@@ -291,151 +285,184 @@ class ShardedStreamingDataset(IterableDataset):
         plan = worker_plan(base, self.world_size, self.rank, num_workers, worker, self.uneven,
                            consumed, self._unit)  # fmt: skip
         self._check_precomputed()
-        if self._order is None or self._order.epoch != self.epoch:
-            self._order = EpochOrder(self._counts, self.seed, self.epoch, self.window)
-        parts = stages.with_parameters(self._parts(self._order, plan), self._param_columns)
+        rows = stages.SAMPLES if self.batch_size is None else stages.COLUMNS
+        parts = stages.with_parameters(self._parts(plan, rows), self._param_columns)
         if self.batch_size is None:
-            return stages.hand_out_samples(parts, run.progress, self._finish, self._skipped)
+            finish = None if self.decode is None else self._finish
+            return stages.hand_out_samples(parts, run.progress, finish, self._skipped)
         return stages.hand_out_batches(parts, self.batch_size, run.progress, self._finish)
 
-    def _parts(self, order: EpochOrder, plan) -> Iterator[stages.Part]:
-        """Plan, read and assemble: the worker's rows in hand-out order, window by window."""
-        rows = stages.SAMPLES if self.batch_size is None else stages.COLUMNS
-        reader = ShardReader(self.storage_options, self._nullable)
-        blocks = chain(
-            stages.read_plan(order, plan.positions, self.window, self._split),
-            stages.pad_plan(order, plan.pads),
-        )
-        fetched = read_ahead(functools.partial(self._fetch, reader), blocks, self.readahead)
-        decoded = ((b[3], self._rows_of(b, payload, rows)) for b, payload in fetched)
-        return stages.assemble(decoded, order, plan.positions, self.window, len(plan.pads), rows)
-
-    def _split(self, shard: int, start: int, stop: int) -> list[tuple[int, int]]:
-        return split_shard_range(self.index.shards[shard], start, stop, max_bytes=_READ_BYTES)
-
-    def _fetch(self, reader: ShardReader, block: stages.Block) -> object:
-        """Read one block; a ``ShardError`` is returned, to be handled where it is decoded."""
-        shard, start, stop, _ = block
-        try:
-            return reader.fetch(self.index.shards[shard], start, stop)
-        except ShardError as exc:
-            return exc
-
-    def _rows_of(self, block: stages.Block, payload: object, rows: stages.Rows) -> Any:
-        """The rows of a block (unreadable samples as ``None`` rows), ``__shard__`` set."""
-        shard, start, stop, _ = block
-        info = self.index.shards[shard]
-        try:
-            if isinstance(payload, ShardError):
-                raise payload
-            if rows is stages.SAMPLES:
-                out = list(decode_shard_range(info, payload, start, stop))
-            else:
-                out = decode_shard_columns(info, payload, start, stop)
-        except ShardError as exc:
-            out = rows.from_samples(self._salvaged(info, payload, start, stop, exc))
-        return rows.label(out, "__shard__", info.url)
-
-    def _salvaged(self, info, payload: object, start: int, stop: int, exc: ShardError) -> list:
-        """The samples of an unreadable block that can be read one at a time (``None`` for
-        the others), or ``exc`` raised (``on_error="raise"``, a stale index)."""
-        if not isinstance(payload, bytes) or isinstance(exc, StaleIndexError):
-            self._skip(exc)
-            return [None] * (stop - start)
-        if self.on_error == "raise":
-            raise exc
-        samples = decode_tar_each(info, payload, start, stop)
-        for item in samples:
-            if isinstance(item, ShardError):
-                self._skip(item)
-        return [None if isinstance(s, ShardError) else s for s in samples]
+    def _parts(self, plan: WorkerPlan, rows: stages.Rows) -> Iterator[stages.Part]:
+        """The worker's rows in hand-out order: one source's own, or the sources' mixed."""
+        if len(self._readers) == 1:
+            return self._readers[0].parts(self.epoch, plan.positions, plan.pads, rows)
+        mixed = MixedOrder(tuple(self._counts), self.seed, self.epoch)
+        return _mixed_parts(self._readers, mixed, plan, rows)
 
     def _finish(self, item: Any) -> Any:
-        """The item (a sample or a batch) as handed out: rows skipped as unreadable dropped,
-        ``decode`` applied, its errors named by shard and key; ``LEFT_OUT`` when nothing is
-        left or ``decode`` raised and ``on_error="skip"`` left it out."""
-        if self.batch_size is not None and (item := self._readable(item)) is LEFT_OUT:
+        """The item as handed out: rows skipped as unreadable dropped (batches), ``decode``
+        applied; ``LEFT_OUT`` when nothing is left."""
+        if self.batch_size is not None and (item := self._errors.readable(item)) is LEFT_OUT:
             return LEFT_OUT
-        if self.decode is None:
-            return item
-        try:
-            return self.decode(item)
-        except Exception as exc:
-            shards, keys = item["__shard__"], item["__key__"]
-            url, key = (shards, keys) if isinstance(keys, str) else (shards[0], keys[0])
-            error = ShardError(url, f"sample {key!r}", f"decode raised {exc!r}")
-            if self.on_error == "raise":
-                raise error from exc
-            self._skip(error)
-            for shard in [shards] if isinstance(keys, str) else shards:
-                self._count_skipped(shard)
-            return LEFT_OUT
-
-    def _readable(self, batch: Columns) -> Any:
-        """``batch`` without the rows flagged unreadable (counted now), or ``LEFT_OUT``."""
-        flags = batch.pop(SKIPPED, None)
-        if flags is None:
-            return batch
-        for flag, url in zip(flags, batch["__shard__"]):
-            if flag:
-                self._count_skipped(url)
-        keep = [i for i, flag in enumerate(flags) if not flag]
-        return take(batch, np.array(keep, dtype=np.int64)) if keep else LEFT_OUT
+        return item if self.decode is None else self._errors.decoded(self.decode, item)
 
     def _skipped(self, label: dict) -> None:
         """Count an unreadable sample as it comes to be handed out."""
-        shard = int(np.searchsorted(self._starts, label["__index__"], "right")) - 1
-        self._shared[2 + shard] += 1
+        reader = self._readers[self._source_number[label.get("__source__", 0)]]
+        self._errors.count(reader.shard_of(label["__index__"]))
 
-    def _skip(self, exc: ShardError) -> None:
-        """Raise ``exc``, or (``on_error="skip"``) warn once per shard: the samples are left
-        out, and counted when their turn to be handed out comes (another worker may read the
-        same block for other samples)."""
-        if self.on_error == "raise" or isinstance(exc, StaleIndexError):
-            raise exc
-        if exc.url not in self._warned:
-            self._warned.add(exc.url)
-            warnings.warn(f"skipping unreadable samples: {exc}", stacklevel=2)
+    def _param_columns(self, keys: np.ndarray) -> dict[str, np.ndarray]:
+        return self._params.columns(keys, self.epoch)
 
-    def _count_skipped(self, url: str) -> None:
-        self._shared[2 + self._shard_number[url]] += 1
+    def _check_precomputed(self) -> None:
+        """Fail now when the precomputed table does not cover the next pass."""
+        self._params.check(self.epoch, self.total_samples)
 
-    def _param_columns(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        """The parameters of ``ids`` as columns, ``seed`` as int64 (its 64 bits, signed: what
-        tensors hold and ``apply_augmentation`` takes)."""
-        rank = self.rank if self.rank_aware_params else None
-        if self._precomputed is not None:
-            cols = self._precomputed.batch(ids, self.epoch, rank)
-        elif rank is None:
+
+@dataclass(frozen=True)
+class _Parameters:
+    """How a dataset's parameters are made: generated, or looked up in a precomputed table."""
+
+    config: AugmentationConfig | None
+    seed: int
+    rank: int | None  # set for rank-aware parameters
+    world_size: int
+    precomputed: PrecomputedParams | None
+
+    def columns(self, keys: np.ndarray, epoch: int) -> dict[str, np.ndarray]:
+        """The parameters keyed by ``keys`` as columns, ``seed`` as int64 (its 64 bits,
+        signed: what tensors hold and ``apply_augmentation`` takes)."""
+        if self.precomputed is not None:
+            cols = self.precomputed.batch(keys, epoch, self.rank)
+        elif self.rank is None:
             cols = gen_augmentation_params_batch(
-                ids, config=self.aug_config, base_seed=self.seed, epoch=self.epoch,
-                rank_aware=False,
-            )  # fmt: skip
+                keys, config=self.config, base_seed=self.seed, epoch=epoch, rank_aware=False
+            )
         else:
             cols = gen_augmentation_params_batch(
-                ids, rank, self.world_size, self.aug_config, self.seed, self.epoch
+                keys, self.rank, self.world_size, self.config, self.seed, epoch
             )
         cols["seed"] = cols["seed"].view(np.int64)
         return cols
 
-    def _check_precomputed(self) -> None:
-        """Fail now when the precomputed table does not cover the next pass."""
-        if self._precomputed is not None:
-            self._precomputed.check_covers(self.aug_config, self.seed, self.epoch,
-                                           self.total_samples, self.rank_aware_params,
-                                           self.world_size)  # fmt: skip
+    def check(self, epoch: int, total: int) -> None:
+        """Raise when the precomputed table does not cover ``epoch`` of ``total`` samples."""
+        if self.precomputed is not None:
+            self.precomputed.check_covers(self.config, self.seed, epoch, total,
+                                          self.rank is not None, self.world_size)  # fmt: skip
+
+
+def _source_readers(
+    sources: list[Source],
+    indexes: list[ShardIndex],
+    counts: list[int],
+    *,
+    seed: int,
+    window: int,
+    mixed: bool,
+    errors: ErrorPolicy,
+    storage_options: dict[str, Any] | None,
+    readahead: int,
+) -> list[SourceReader]:
+    """One reader per source, drawing ``counts[s]`` per epoch; parameters keyed by source
+    (``key_offset``) and repeat (``key_stride``)."""
+    infos = [info for index in indexes for info in index.shards]
+    nullable = sorted({name for info in infos for name in info.nullable})
+    readers, first_shard, key_offset = [], 0, 0
+    for s, (source, index) in enumerate(zip(sources, indexes)):
+        shard_counts = tuple(i.num_samples for i in index.shards)
+        draws = SourceDraws(shard_counts, source_seed(seed, s), counts[s], window)
+        name = s if source.name is None else source.name
+        readers.append(SourceReader(
+            index, draws, errors=errors, first_shard=first_shard,
+            key_offset=key_offset, key_stride=sum(i.total_samples for i in indexes),
+            labels={"__source__": name} if mixed else None, repeats=mixed,
+            storage_options=source.storage_options or storage_options,
+            nullable=nullable, readahead=readahead,
+        ))  # fmt: skip
+        first_shard += len(index.shards)
+        key_offset += index.total_samples
+    return readers
+
+
+def _mixed_parts(
+    readers: list[SourceReader], mixed: MixedOrder, plan: WorkerPlan, rows: stages.Rows
+) -> Iterator[stages.Part]:
+    """The parts of ``plan``'s positions of the mixed epoch: each source reads the draws the
+    positions hold, in its own order, and :func:`stages.mix` interleaves them."""
+    draws: list[Intervals] = [[] for _ in readers]
+    pads: list[list[int]] = [[] for _ in readers]
+    for lo, hi in plan.positions:
+        for s, (a, b) in enumerate(mixed.draw_range(lo, hi)):
+            draws[s] += [(a, b)] if b > a else []
+    chunks = [mixed.assign(a, min(a + _MIX_CHUNK, hi))[0]
+              for lo, hi in plan.positions for a in range(lo, hi, _MIX_CHUNK)]  # fmt: skip
+    for p in plan.pads:
+        source, draw = mixed.assign(p, p + 1)
+        pads[int(source[0])].append(int(draw[0]))
+        chunks.append(source)
+    epoch = mixed.epoch
+    streams = [r.parts(epoch, draws[s], pads[s], rows) for s, r in enumerate(readers)]
+    return stages.mix(streams, chunks, rows)
+
+
+def _as_sources(source: Any, epoch_size: int | None) -> tuple[list[Source], bool]:
+    """``source`` as a list of :class:`Source`, and whether the dataset mixes (labels its
+    samples with their source and repeats): several sources, ``Source`` objects, or an
+    ``epoch_size``."""
+    if isinstance(source, Source):
+        return [source], True
+    if isinstance(source, (list, tuple)) and source and isinstance(source[0], Source):
+        bad = [i for i, s in enumerate(source) if not isinstance(s, Source)]
+        if bad:
+            raise ValueError(f"source must be all Source objects or none, got others at {bad}")
+        names = [i if s.name is None else s.name for i, s in enumerate(source)]
+        if len(set(names)) < len(names):
+            raise ValueError(f"source names must be distinct, got {names}")
+        return list(source), True
+    return [Source(source)], epoch_size is not None
 
 
 def _index_of(
-    source: str | Sequence[str] | ShardIndex, rank: int | None, world_size: int | None, **kw: Any
+    source: Source, rank: int | None, world_size: int | None, defaults: dict[str, Any]
 ) -> ShardIndex:
-    """``source`` as an index: built here, or on rank 0 and broadcast under a process group
-    (when rank and world size are not given)."""
-    if isinstance(source, ShardIndex):
-        return source
-    build = functools.partial(build_shard_index, source, **kw)
+    """The index of ``source``: given, built here, or built on rank 0 and broadcast under a
+    process group (when rank and world size are not given)."""
+    if isinstance(source.source, ShardIndex):
+        return source.source
+    settings = {k: getattr(source, k, None) or v for k, v in defaults.items()}
+    build = functools.partial(build_shard_index, source.source, **settings)
     shared = rank is None and world_size is None and dist_ready()
     return built_on_rank0(build) if shared else build()
+
+
+def _is_local(index: ShardIndex) -> bool:
+    """True when the shards lie on a local or in-memory filesystem (judged by the first)."""
+    return not index.shards or get_protocol(index.shards[0].url) in _LOCAL_PROTOCOLS
+
+
+def _fingerprint(
+    sources: list[Source], indexes: list[ShardIndex], counts: list[int], mixed: bool
+) -> str:
+    """What a state checks: the shard list of one source, or of every source with its name
+    and draws."""
+    if not mixed:
+        return indexes[0].fingerprint()
+    parts = [[s.name, i.fingerprint(), c] for s, i, c in zip(sources, indexes, counts)]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _precomputed_of(
+    precomputed: str | os.PathLike | PrecomputedParams | None, mixed: bool
+) -> PrecomputedParams | None:
+    if precomputed is not None and mixed:
+        raise ValueError(
+            "precomputed parameters cover the ids of one source read once per epoch; with "
+            "several sources or an epoch_size, leave precomputed=None (parameters are generated)"
+        )
+    if isinstance(precomputed, (str, os.PathLike)):
+        return load_precomputed_params(precomputed)
+    return precomputed
 
 
 def _checked_config(config: AugmentationConfig | None) -> AugmentationConfig | None:
@@ -443,3 +470,21 @@ def _checked_config(config: AugmentationConfig | None) -> AugmentationConfig | N
         got = type(config).__name__
         raise ValueError(f"aug_config must be an AugmentationConfig or None, got {got}")
     return config
+
+
+def _checked_decode(decode: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+    if decode is not None and not callable(decode):
+        raise ValueError(f"decode must be a callable on samples or None, got {decode!r}")
+    return decode
+
+
+def _check_same_fields(readers: list[SourceReader]) -> None:
+    """Batch mode: mixed sources must have the same fields (one sample of each is read)."""
+    fields = {s: r.field_names() for s, r in enumerate(readers) if r.index.total_samples}
+    first = next(iter(fields.values()), None)
+    differ = {s: f for s, f in fields.items() if f != first}
+    if differ:
+        raise ValueError(
+            "with batch_size, mixed sources must have the same fields; source 0 has "
+            f"{first}, but " + ", ".join(f"source {s} has {f}" for s, f in differ.items())
+        )

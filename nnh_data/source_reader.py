@@ -1,0 +1,137 @@
+"""One source of a streaming dataset, read as parts: the plan, read and assemble stages.
+
+A source's draws of an epoch are runs of its cycles (:class:`~nnh_data.mixing.SourceDraws`:
+cycle ``k`` is one shuffled pass; a source drawn once per epoch reads cycle ``epoch``). For the
+draws a worker hands out, :meth:`SourceReader.parts` plans the read blocks of each cycle's
+positions, reads them in one read-ahead thread (a :class:`~nnh_data.shards.ShardReader` owned
+by the pass), decodes them into rows and assembles them in draw order, labelled with the
+source's ids. Parameters are keyed by ``key_offset + id`` (plus ``key_stride`` times the
+occurrence of a sample drawn again in the same epoch), so every source and every repeat gets
+its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from itertools import chain, groupby
+from typing import Any
+
+import numpy as np
+
+from nnh_data import stages
+from nnh_data.error_policy import ErrorPolicy
+from nnh_data.mixing import SourceDraws
+from nnh_data.order import Intervals, coalesce
+from nnh_data.readahead import read_ahead
+from nnh_data.shard_index import ShardError, ShardIndex
+from nnh_data.shards import ShardReader, decode_shard_columns, decode_shard_range, split_shard_range
+
+__all__ = ["SourceReader"]
+
+_READ_BYTES = 8 << 20
+
+
+class SourceReader:
+    """Reads one source's draws as :class:`~nnh_data.stages.Part` streams.
+
+    ``labels``: constant labels of every row (``__source__`` when mixing); ``repeats``: add
+    ``__repeat__``; ``first_shard``: the number of the source's first shard in ``errors``.
+    """
+
+    def __init__(
+        self,
+        index: ShardIndex,
+        draws: SourceDraws,
+        *,
+        errors: ErrorPolicy,
+        first_shard: int = 0,
+        key_offset: int = 0,
+        key_stride: int = 0,
+        labels: dict[str, Any] | None = None,
+        repeats: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        nullable: Sequence[str] = (),
+        readahead: int = 0,
+    ) -> None:
+        self.index, self.draws, self.errors = index, draws, errors
+        self.first_shard, self.key_offset, self.key_stride = first_shard, key_offset, key_stride
+        self.labels, self.repeats = labels or {}, repeats
+        self.storage_options, self.nullable = storage_options, nullable
+        self.readahead = readahead
+        self._starts = np.concatenate(([0], np.cumsum([i.num_samples for i in index.shards])))
+
+    def parts(
+        self, epoch: int, draws: Intervals, pads: Sequence[int], rows: stages.Rows
+    ) -> Iterator[stages.Part]:
+        """The rows of draws ``draws`` (intervals of this epoch's draws, in order) then of the
+        single draws ``pads`` (marked ``__pad__``), in that order, as parts."""
+        runs = [(c, coalesce([(a, b) for _, a, b in g])) for c, g in groupby(
+            (s for lo, hi in draws for s in self.draws.segments(epoch, lo, hi)),
+            key=lambda s: s[0])]  # fmt: skip
+        singles = [self.draws.segments(epoch, j, j + 1)[0][:2] for j in pads]
+        window = self.draws.window
+        blocks = chain(
+            chain.from_iterable(
+                stages.read_plan(self.draws.order(c), positions, window, self._split)
+                for c, positions in runs
+            ),
+            chain.from_iterable(stages.pad_plan(self.draws.order(c), [a]) for c, a in singles),
+        )
+        reader = ShardReader(self.storage_options, self.nullable)
+        fetched = read_ahead(functools.partial(self._fetch, reader), blocks, self.readahead)
+        decoded = ((b[3], self._rows_of(b, payload, rows)) for b, payload in fetched)
+        for cycle, positions in runs:
+            order = self.draws.order(cycle)
+            for part in stages.assemble(decoded, order, positions, window, 0, rows):
+                yield self._labelled(part, epoch, cycle)
+        for cycle, _ in singles:
+            (part,) = stages.assemble(decoded, self.draws.order(cycle), [], window, 1, rows)
+            yield self._labelled(part, epoch, cycle)
+
+    def field_names(self) -> list[str]:
+        """The sorted field names of the source's first sample (one sample is read)."""
+        info = next(info for info in self.index.shards if info.num_samples)
+        payload = ShardReader(self.storage_options, self.nullable).fetch(info, 0, 1)
+        return sorted(next(decode_shard_range(info, payload, 0, 1)))
+
+    def shard_of(self, sample_id: int) -> int:
+        """The number (in ``errors``) of the shard that holds ``sample_id``."""
+        return self.first_shard + int(np.searchsorted(self._starts, sample_id, "right")) - 1
+
+    def _labelled(self, part: stages.Part, epoch: int, cycle: int) -> stages.Part:
+        n = part.keys.size
+        for name, value in self.labels.items():
+            part.labels[name] = [value] * n
+        part.keys = part.keys + self.key_offset
+        if self.repeats:
+            occurrence = self.draws.occurrence(epoch, cycle, part.labels["__index__"])
+            part.labels["__repeat__"] = occurrence > 0
+            part.keys += occurrence * self.key_stride
+        return part
+
+    def _split(self, shard: int, start: int, stop: int) -> list[tuple[int, int]]:
+        return split_shard_range(self.index.shards[shard], start, stop, max_bytes=_READ_BYTES)
+
+    def _fetch(self, reader: ShardReader, block: stages.Block) -> object:
+        """Read one block; a ``ShardError`` is returned, to be handled where it is decoded."""
+        shard, start, stop, _ = block
+        try:
+            return reader.fetch(self.index.shards[shard], start, stop)
+        except ShardError as exc:
+            return exc
+
+    def _rows_of(self, block: stages.Block, payload: object, rows: stages.Rows) -> Any:
+        """The rows of a block (unreadable samples as ``None`` rows), ``__shard__`` set."""
+        shard, start, stop, _ = block
+        info = self.index.shards[shard]
+        try:
+            if isinstance(payload, ShardError):
+                raise payload
+            if rows is stages.SAMPLES:
+                out = list(decode_shard_range(info, payload, start, stop))
+            else:
+                out = decode_shard_columns(info, payload, start, stop)
+        except ShardError as exc:
+            out = rows.from_samples(self.errors.salvaged(info, payload, start, stop, exc))
+        return rows.label(out, "__shard__", info.url)
