@@ -81,7 +81,7 @@ CHUNK_BYTES = 4 << 20
 _POLL_S = 0.2
 _RETRY_S = 0.5  # a prefetch that found no room looks again after this long
 _MTIME_SLACK_NS = 200_000_000  # a folder changed this recently is listed again
-_HEADER = 42  # a plan file starts with "<position:20> <ahead:20>\n"
+_HEADER = 51  # a plan file starts with "<position:20> <ahead:20> <plan id:8>\n"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}  # fmt: skip
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
@@ -440,7 +440,7 @@ class ShardCache:
         self.cache_dir = _prepared_folder(cache_dir)
         self._sizes: dict[str, int] = {}  # key -> size: a key's size never changes
         self._dirs: dict[str, tuple[int, dict]] = {}  # subfolder -> (mtime, its listing)
-        self._plan_memo: dict[tuple[str, int], tuple[list[str], np.ndarray, int]] = {}
+        self._plan_memo: dict[tuple[str, str], tuple[list[str], np.ndarray, int]] = {}
 
     def __getstate__(self) -> dict:
         return {"cache_dir": self.cache_dir, "limit": self.limit}
@@ -643,7 +643,7 @@ class ShardCache:
         self._plan_memo = {k: v for k, v in self._plan_memo.items() if k in seen}
         return _LivePlans(plans, ahead)
 
-    def _read_plan(self, path: str) -> tuple[Plan, int, tuple[str, int]] | None:
+    def _read_plan(self, path: str) -> tuple[Plan, int, tuple[str, str]] | None:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -655,7 +655,7 @@ class ShardCache:
                     _unlink(path)
                     return None
             head = os.pread(fd, _HEADER, 0).split()
-            memo_key = (path, stat.st_ino)
+            memo_key = (path, head[2].decode())
             if memo_key not in self._plan_memo:
                 body = json.loads(os.pread(fd, stat.st_size, _HEADER))
                 times = np.asarray(body["times"], dtype=np.int64)
@@ -1204,12 +1204,13 @@ class _PlanState:
     times: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     position: int = 0
     ahead: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> (size, its t)
+    plan_id: str = field(default_factory=lambda: secrets.token_hex(4))  # names the body
 
     def header(self) -> bytes:
         """The plan file's first line: the position and the bytes held ahead of it."""
         self.ahead = {k: st for k, st in self.ahead.items() if st[1] > self.position}
         held = sum(size for size, _ in self.ahead.values())
-        return f"{self.position:>20d} {held:>20d}\n".encode()
+        return f"{self.position:>20d} {held:>20d} {self.plan_id}\n".encode()
 
     def next_index(self) -> int:
         """The index of the first read after the position."""

@@ -8,7 +8,9 @@ Prints one JSON object.
   ``t * num_workers + k``. A cache of 25% and 50% of the shards is simulated under LRU, under
   the cache's rule (Belady from the live plans: this epoch and the next, positions as read) and
   under the offline optimum (Belady on the whole future trace); the shard each worker reads is
-  pinned. Fetches of epochs 1-3 (after a warm-up epoch) are reported with the ratios to LRU.
+  pinned. Fetches of epochs 1-3 (after a warm-up epoch) are reported with the ratios to LRU,
+  and the share of what epoch 0 leaves cached that is among the first (2 x cache size) shards
+  epoch 1 reads (``kept_for_next_epoch``; reads on demand only, no prefetch).
 - One eviction decision (:func:`next_uses` + :func:`choose_victims`) with 10,000 cached shards
   and 64 plans, and the same decision made by the cache on a folder of 10,000 shards (listing
   and plan files included).
@@ -25,10 +27,10 @@ import os
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from common import best_rate  # tools/bench/common.py
 
 from nnh_data.order import worker_plan
 from nnh_data.shard_cache import (
@@ -105,16 +107,24 @@ def _plans(trace: Trace, epoch: int, positions: list[int]) -> list[Plan]:
 def count_fetches(trace: Trace, capacity: int, policy: str, from_epoch: int = 1) -> int:
     """Shard fetches of the epochs from ``from_epoch`` on, for a cache of ``capacity`` shards
     under ``policy``: "lru", "plans" (the cache's rule) or "optimum" (offline Belady)."""
+    return sum(simulate(trace, capacity, policy)[0][from_epoch:])
+
+
+def simulate(trace: Trace, capacity: int, policy: str) -> tuple[list[int], list[set[int]]]:
+    """Fetches per epoch, and the cached shards when each epoch starts, for a cache of
+    ``capacity`` shards under ``policy`` (see :func:`count_fetches`)."""
     cache: OrderedDict[int, None] = OrderedDict()
     current = [-1] * trace.readers
     future = _next_times(trace) if policy == "optimum" else None
-    fetches = 0
+    fetches, starts = [0] * len(trace.schedules), []
     for i, (g, reader, shard, epoch) in enumerate(trace.events):
+        if epoch == len(starts):
+            starts.append(set(cache))
         current[reader] = shard
         if shard in cache:
             cache.move_to_end(shard)
             continue
-        fetches += epoch >= from_epoch
+        fetches[epoch] += 1
         if len(cache) >= capacity:
             keys = list(cache)
             evictable = [k not in current for k in keys]
@@ -128,7 +138,15 @@ def count_fetches(trace: Trace, capacity: int, policy: str, from_epoch: int = 1)
                 continue  # read around the cache
             del cache[victim]
         cache[shard] = None
-    return fetches
+    return fetches, starts
+
+
+def kept_share(trace: Trace, capacity: int, policy: str) -> float:
+    """The share of what epoch 0 leaves cached that is among the first ``2 * capacity``
+    shards epoch 1 reads."""
+    left = simulate(trace, capacity, policy)[1][1]
+    first = list(dict.fromkeys(shard for _, _, shard, epoch in trace.events if epoch == 1))
+    return len(left & set(first[: 2 * capacity])) / len(left)
 
 
 def _uses(trace, policy, keys, g, epoch, future, i) -> np.ndarray:
@@ -159,16 +177,8 @@ def policy_figures() -> dict:
         out[f"fetches_{share}pct"] = counts
         out[f"belady_vs_lru_{share}pct"] = round(counts["plans"] / counts["lru"], 3)
         out[f"optimum_vs_lru_{share}pct"] = round(counts["optimum"] / counts["lru"], 3)
+        out[f"kept_for_next_epoch_{share}pct"] = round(kept_share(trace, capacity, "plans"), 3)
     return out
-
-
-def _best_ms(run: Callable[[], object], rounds: int = 5) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
-    return best * 1000
 
 
 def decision_figures(shards: int = 10_000, plans: int = 64) -> dict:
@@ -186,7 +196,7 @@ def decision_figures(shards: int = 10_000, plans: int = 64) -> dict:
     def decide() -> None:
         choose_victims(sizes, next_uses(live, keys), 1 << 20, 0.0)
 
-    return {"decision_ms_10000_shards_64_plans": round(_best_ms(decide), 2),
+    return {"decision_ms_10000_shards_64_plans": round(1000 / best_rate(decide, 1, 5), 2),
             **_disk_decision(shards, plans)}  # fmt: skip
 
 
