@@ -29,6 +29,12 @@ before ``d`` (``d = 0`` for a read on demand, which goes around the cache when n
 made). Prefetch follows the same rule and is capped so that what all live plans hold ahead stays
 under a quarter of the limit. The trade-off: a decision scans the folder and the plans under the
 node lock (milliseconds for 10,000 shards), which is small next to a shard's download.
+
+Use. A reader (one DataLoader worker's pass) opens a :class:`CacheSession`, publishes its plan
+(:func:`read_schedule` gives it from the epoch order), reports its position with ``advance`` and
+reads shards through ``open``/``release``; ``open`` returns None when the cache is smaller than
+what the readers need at once, and the caller then reads the remote directly. ``cache_dir`` must
+be on node-local disk: ``flock`` on NFS is emulated or absent.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ from nnh_data.order import EpochOrder, worker_plan
 from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError
 
 __all__ = [
+    "CHUNK_BYTES",
+    "DISK_RESERVE",
     "PLAN_GRACE_SECONDS",
     "PREFETCH_SHARE",
     "STALL_SECONDS",
@@ -172,7 +180,7 @@ def choose_victims(
     Example:
         >>> choose_victims([1, 1, 1], [5.0, float("inf"), 2.0], need=2, distance=1.0)
         [1, 0]
-        >>> choose_victims([1, 1, 1], [5.0, float("inf"), 2.0], need=2, distance=3.0) is None
+        >>> choose_victims([1, 1, 1], [5.0, float("inf"), 2.0], need=2, distance=5.0) is None
         True
     """
     uses = np.asarray(uses, dtype=float)
@@ -755,7 +763,7 @@ class ShardCache:
         if os.path.exists(self._shard_path(key, info.url)):
             return "cached"
         hold = (session, t) if capped else None
-        claim = self._claim(key, info, session.distance(t), hold)
+        claim = self._claim(key, info, session._distance(t), hold)
         if claim.fd is None:
             return "full" if claim.full else "busy" if claim.wait else "cached"
         os.close(self._fill(claim, info, session.storage_options, session.stopping))
@@ -786,7 +794,7 @@ class ShardCache:
                 return _Claim(full=True)
             claim = self._create_part(key, info.size)
             if hold is not None:
-                hold[0].hold_ahead(key, info.size, hold[1])
+                hold[0]._hold_ahead(key, info.size, hold[1])
             return claim
 
     def _make_room(
@@ -986,7 +994,9 @@ def _remote_chunks(info: ShardInfo, options: dict, stop: threading.Event) -> Ite
         abort.set()
 
 
-def _read_remote(info: ShardInfo, options: dict, chunks: queue.Queue, abort: threading.Event):
+def _read_remote(
+    info: ShardInfo, options: dict, chunks: queue.Queue, abort: threading.Event
+) -> None:
     try:
         fs, path = url_to_fs(info.url, **options)
         with fs.open(path, "rb") as f:
@@ -1147,11 +1157,11 @@ class CacheSession:
             os.close(self._plan_fd)  # its modification time is the release time
             self._plan_fd = None
 
-    def distance(self, t: int) -> float:
+    def _distance(self, t: int) -> float:
         """The distance of this reader's read at item ``t`` in next-use units."""
         return float((t - self._state.position) * self.num_workers)
 
-    def hold_ahead(self, key: str, size: int, t: int) -> None:
+    def _hold_ahead(self, key: str, size: int, t: int) -> None:
         """Count a prefetched shard as held ahead until this reader reaches item ``t``."""
         with self._changed:
             self._state.ahead[key] = (size, t)
