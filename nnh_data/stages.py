@@ -323,25 +323,28 @@ def hand_out_samples(
     finish: Callable[[dict], Any] | None,
     skipped: Callable[[dict], None],
 ) -> Iterator[Any]:
-    """The samples of ``parts``, each with its labels and ``__aug__`` (its parameters as a
+    """The samples of ``parts``, each with its labels (``__index__``, ``__pad__``, and for
+    mixed sources ``__source__`` and ``__repeat__``) and ``__aug__`` (its parameters as a
     dict), passed through ``finish`` unless it is None (it returns :data:`LEFT_OUT` to leave
     one out). An unreadable sample (a ``None`` row) is reported to ``skipped`` with its labels
     when its turn comes."""
     for part in parts:
         labels = _label_lists(part)
-        index, pad, aug = labels.pop("__index__"), labels.pop("__pad__"), labels.pop("__aug__")
-        extra = batching.rows_of(list(labels), list(labels.values())) if labels else repeat({})
+        index, pad, aug = labels["__index__"], labels["__pad__"], labels["__aug__"]
+        mixed = "__source__" in labels  # parts of mixed sources carry two more labels
+        source = labels["__source__"] if mixed else repeat(None)
+        again = labels["__repeat__"] if mixed else repeat(None)
         stack = [_DONE]
         stack += reversed(part.rows)
         del part  # the stack holds the samples, and lets go of each as it is handed out
         progress.start_window(stack)
-        for sample, i, p, a, more in zip(iter(stack.pop, _DONE), index, pad, aug, extra):
+        for sample, i, p, a, s, r in zip(iter(stack.pop, _DONE), index, pad, aug, source, again):
             if sample is None:
-                skipped({"__index__": i, "__pad__": p, "__aug__": a, **more})
+                skipped({"__index__": i, "__source__": s} if mixed else {"__index__": i})
                 continue
             sample["__index__"], sample["__pad__"], sample["__aug__"] = i, p, a
-            if more:
-                sample.update(more)
+            if mixed:
+                sample["__source__"], sample["__repeat__"] = s, r
             if finish is None:
                 yield sample
             elif (sample := finish(sample)) is not LEFT_OUT:

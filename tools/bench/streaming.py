@@ -2,7 +2,9 @@
 
 Prints one JSON object. On the same shards of 3 KiB samples (written by ``write_shards``):
 samples/s of nnh tar streaming, ``webdataset.WebDataset`` and ``tarfile`` (ratios
-``tar_vs_webdataset``, ``tar_vs_tarfile``); on the same rows as Parquet files, nnh per-sample
+``tar_vs_webdataset``, ``tar_vs_tarfile``), and of the same shards as three mixed sources
+(``Source`` each read once per epoch, interleaved) against one source (``mixed_vs_one_source``);
+on the same rows as Parquet files, nnh per-sample
 dicts versus raw ``pyarrow`` ``iter_batches`` + ``to_pylist`` rows, both consumed by the same
 loop (``parquet_vs_pyarrow``), and nnh batches (``batch_size=256``, columns) versus
 ``iter_batches(batch_size=256)`` + ``to_pydict`` (``parquet_batched_vs_pyarrow``, the same
@@ -28,6 +30,7 @@ import pyarrow.parquet as pq
 import webdataset as wds
 from common import best_rates, in_fresh_process, rss_growth  # tools/bench/common.py
 
+from nnh_data.mixing import Source
 from nnh_data.shards import build_shard_index
 from nnh_data.streaming import ShardedStreamingDataset
 from nnh_data.writer import write_shards
@@ -58,6 +61,12 @@ def write_parquet(folder: str, count: int) -> list[str]:
         paths.append(f"{folder}/part-{i:06d}.parquet")
         pq.write_table(table, paths[-1], row_group_size=1000)
     return paths
+
+
+def thirds(urls: list[str]) -> list[list[str]]:
+    """``urls`` cut into three sources of about 1/2, 1/3 and 1/6 of the shards."""
+    a, b = max(1, len(urls) // 2), max(2, len(urls) * 5 // 6)
+    return [urls[:a], urls[a:b], urls[b:]]
 
 
 def tarfile_count(urls: list[str]) -> int:
@@ -124,9 +133,11 @@ def main() -> None:
         urls = sorted(glob.glob(f"{tmp}/tar/train-*.tar"))
         few = urls[: max(1, len(urls) // 4)]  # the slow baselines read a quarter
         index = build_shard_index(urls)
+        mixed = [Source(build_shard_index(group)) for group in thirds(urls)]
         tar = best_rates(
             {
                 "nnh": lambda: sum(1 for _ in ShardedStreamingDataset(index)),
+                "mixed": lambda: sum(1 for _ in ShardedStreamingDataset(mixed)),
                 "webdataset": lambda: sum(1 for _ in wds.WebDataset(few, shardshuffle=False)),
                 "tarfile": lambda: tarfile_count(few),
             },
@@ -162,6 +173,8 @@ def main() -> None:
         "tarfile_samples_per_s": round(tar["tarfile"]),
         "tar_vs_webdataset": round(tar["nnh"] / tar["webdataset"], 2),
         "tar_vs_tarfile": round(tar["nnh"] / tar["tarfile"], 2),
+        "nnh_mixed_3_sources_samples_per_s": round(tar["mixed"]),
+        "mixed_vs_one_source": round(tar["mixed"] / tar["nnh"], 2),
         "nnh_parquet_samples_per_s": round(parquet["nnh"]),
         "pyarrow_rows_per_s": round(parquet["pyarrow"]),
         "parquet_vs_pyarrow": round(parquet["nnh"] / parquet["pyarrow"], 2),
