@@ -33,6 +33,7 @@ __all__ = [
     "BLOCK",
     "ZERO_BLOCK",
     "Parsed",
+    "parse_plain",
     "TarFormatError",
     "check_checksums",
     "parse_samples",
@@ -123,14 +124,14 @@ def parse_samples(
     on from there (``stop`` may lie beyond ``buf`` when data is skipped). Raises
     :class:`TarFormatError` on a bad header or a field repeated within a sample.
 
-    Blocks of plain ustar files take a vectorised path (:func:`_parse_plain`); anything else
+    Blocks of plain ustar files take a vectorised path (:func:`parse_plain`); anything else
     (PAX or GNU headers, directories, unusual names, errors) the exact member loop
     (:func:`parse_samples_loop`), which gives the same results.
 
     >>> parse_samples(tar_bytes, 0, len(tar_bytes)).samples  # doctest: +SKIP
     [{'__key__': '000000', 'cls': b'3', 'jpg': b'...'}, ...]
     """
-    plain = _parse_plain(buf, pos, limit, need_data, key)
+    plain = parse_plain(buf, pos, limit, need_data, key)
     if plain is not None:
         return plain
     return parse_samples_loop(buf, pos, limit, need_data=need_data, key=key)
@@ -223,7 +224,7 @@ def _parse(
     return found._replace(key=current, stop=pos)
 
 
-def _parse_plain(
+def parse_plain(
     buf: bytes, pos: int, limit: int, need_data: bool, key: str | None
 ) -> Parsed | None:
     """:func:`parse_samples` for a block of plain ustar files named ``key.field``, with numpy

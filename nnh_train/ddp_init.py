@@ -23,7 +23,17 @@ from nnh_data.checks import check_int
 from nnh_data.topology import dist_ready
 from nnh_train.slurm import expand_slurm_nodelist, expand_tasks_per_node
 
-__all__ = ["DEFAULT_TIMEOUT", "DistInfo", "get_dist_info", "initialize_ddp"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "DistInfo",
+    "LaunchEnv",
+    "as_timedelta",
+    "get_dist_info",
+    "initialize_ddp",
+    "master_port_for_job",
+    "read_launch_env",
+    "set_master_env",
+]
 
 DistInfo = tuple[bool, int, int, int, torch.device]
 """``(distributed, rank, local_rank, world_size, device)``."""
@@ -85,13 +95,13 @@ def _initialize_distributed(
     """The work of :func:`initialize_ddp`; :func:`get_dist_info` when already initialised."""
     if dist_ready():
         return get_dist_info()
-    timeout = _as_timedelta(timeout)
+    timeout = as_timedelta(timeout)
     if not _should_use_distributed(use_distributed):
         return False, 0, 0, 1, _choose_device(device, 0)
-    launch = _read_launch_env()
+    launch = read_launch_env()
     chosen = _choose_device(device, launch.local_rank)
     if launch.launcher == "slurm":
-        _set_master_env(os.environ)
+        set_master_env(os.environ)
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)
     backend = "nccl" if chosen.type == "cuda" else "gloo"
@@ -120,7 +130,7 @@ def get_dist_info() -> DistInfo:
     else:
         device = torch.device("cpu")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    return True, rank, _read_launch_env().local_rank, world_size, device
+    return True, rank, read_launch_env().local_rank, world_size, device
 
 
 def _should_use_distributed(flag: bool | None) -> bool:
@@ -130,7 +140,7 @@ def _should_use_distributed(flag: bool | None) -> bool:
         raise ValueError(f"use_distributed must be True, False or None, got {flag!r}")
     if flag is False:
         return False
-    launch = _read_launch_env()
+    launch = read_launch_env()
     unlaunched = _slurm_without_srun(os.environ)
     problem = _distributed_problem(launch, unlaunched)
     if flag:
@@ -153,10 +163,10 @@ def _distributed_problem(launch: LaunchEnv, unlaunched: str | None) -> str | Non
 
 def _is_env_distributed() -> bool:
     """True when the launcher started more than one process (torchrun's variables win)."""
-    return _read_launch_env().world_size > 1
+    return read_launch_env().world_size > 1
 
 
-def _read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
+def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     """This process's launch, from torchrun's variables, else from an srun step's."""
     env = os.environ if env is None else env
     torchrun, slurm = _torchrun_env(env), _slurm_env(env)
@@ -238,7 +248,7 @@ def _env_int(env: Mapping[str, str], name: str, *, low: int = 0, high: int | Non
     return check_int(name, int(value), low=low, high=high)
 
 
-def _set_master_env(env: MutableMapping[str, str]) -> None:
+def set_master_env(env: MutableMapping[str, str]) -> None:
     """Default MASTER_ADDR to the step's first node and MASTER_PORT to one derived from the job."""
     if "MASTER_ADDR" not in env:
         # The step's node list first: a step may run on a subset of the job's nodes.
@@ -251,10 +261,10 @@ def _set_master_env(env: MutableMapping[str, str]) -> None:
     if "MASTER_PORT" not in env:
         if "SLURM_JOB_ID" not in env:
             raise RuntimeError("MASTER_PORT is unset and SLURM_JOB_ID is missing to derive it")
-        env["MASTER_PORT"] = str(_master_port_for_job(env["SLURM_JOB_ID"]))
+        env["MASTER_PORT"] = str(master_port_for_job(env["SLURM_JOB_ID"]))
 
 
-def _master_port_for_job(job_id: str) -> int:
+def master_port_for_job(job_id: str) -> int:
     """A port in [15000, 30000) from the whole job id: jobs sharing a master node differ unless
     their ids are 15000 apart."""
     if not job_id.isdigit():
@@ -267,7 +277,7 @@ def _first_host_from_slurm_nodelist(nodelist: str) -> str:
     return expand_slurm_nodelist(nodelist)[0]
 
 
-def _as_timedelta(timeout: timedelta | float | None) -> timedelta:
+def as_timedelta(timeout: timedelta | float | None) -> timedelta:
     if timeout is None:
         return DEFAULT_TIMEOUT
     if not isinstance(timeout, timedelta):

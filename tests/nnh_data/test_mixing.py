@@ -16,8 +16,6 @@ from nnh_data.mixing import (
     MixedOrder,
     Source,
     SourceDraws,
-    _draws_before,
-    _merge,
     draw_segments,
     epoch_positions,
     plan_counts,
@@ -318,11 +316,13 @@ def test_merge_is_the_exact_sort_also_on_ties(counts, data):
     phases = data.draw(st.lists(special_phases, min_size=len(counts), max_size=len(counts)))
     if data.draw(st.booleans()):
         phases = [phases[0] + data.draw(st.integers(0, 1)) for _ in counts]
-    source, draw = _merge(counts, phases, [0] * len(counts), counts)
+    mix = MixedOrder(tuple(counts))
+    object.__setattr__(mix, "phases", tuple(phases))  # forced phases, through the public methods
+    source, draw = mix.assign(0, sum(counts))
     expected = _oracle(counts, phases)
     assert (source.tolist(), draw.tolist()) == expected
     p = data.draw(st.integers(0, sum(counts)))
-    assert _draws_before(counts, phases, p) == [
+    assert mix.draws_before(p) == [
         expected[0][:p].count(s) for s in range(len(counts))
     ]
 

@@ -13,7 +13,7 @@ from nnh_data.tar_format import (
     BLOCK,
     Parsed,
     TarFormatError,
-    _parse_plain,
+    parse_plain,
     parse_samples,
     parse_samples_loop,
     split_name,
@@ -200,7 +200,7 @@ def test_fast_path_takes_plain_archives_and_matches_webdataset(archive):
     members, form = archive
     buf = tar_bytes(members, format=form)
     assume(isinstance(outcome(parse_samples_loop, buf, 0, len(buf), True, None), Parsed))
-    parsed = _parse_plain(buf, 0, len(buf), True, None)  # not a fall back to the loop
+    parsed = parse_plain(buf, 0, len(buf), True, None)  # not a fall back to the loop
     assert parsed is not None and parsed.end
     assert parsed.samples == webdataset_samples(buf)
 
@@ -213,7 +213,7 @@ def test_fast_path_in_pieces_carries_keys_like_the_member_loop():
             pos, key = 0, None
             while True:
                 limit = pos + piece * BLOCK
-                fast = _parse_plain(buf, pos, limit, need_data, key)
+                fast = parse_plain(buf, pos, limit, need_data, key)
                 assert fast == parse_samples_loop(buf, pos, limit, need_data=need_data, key=key)
                 if fast.end:
                     break

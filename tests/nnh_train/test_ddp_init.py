@@ -17,18 +17,18 @@ from hypothesis import strategies as st
 
 from nnh_train.ddp_init import (
     LaunchEnv,
-    _as_timedelta,
     _first_host_from_slurm_nodelist,
     _initialize_distributed,
     _is_env_distributed,
-    _master_port_for_job,
     _pick_device,
-    _read_launch_env,
     _resolve_device,
-    _set_master_env,
     _should_use_distributed,
+    as_timedelta,
     get_dist_info,
     initialize_ddp,
+    master_port_for_job,
+    read_launch_env,
+    set_master_env,
 )
 from tests.support import ROOT, SCRIPTS, run_distributed
 
@@ -70,7 +70,7 @@ def launch_env(monkeypatch):
     ],
 )
 def test_read_launch_env(env, expected):
-    assert _read_launch_env(env) == expected
+    assert read_launch_env(env) == expected
 
 
 @pytest.mark.parametrize(
@@ -85,7 +85,7 @@ def test_read_launch_env(env, expected):
 )
 def test_contradicting_launch_variables_raise_naming_them(env, message):
     with pytest.raises(RuntimeError, match=message):
-        _read_launch_env(env)
+        read_launch_env(env)
 
 
 @pytest.mark.parametrize(
@@ -99,7 +99,7 @@ def test_contradicting_launch_variables_raise_naming_them(env, message):
 )
 def test_bad_launch_values_raise_value_error(env, message):
     with pytest.raises(ValueError, match=message):
-        _read_launch_env(env)
+        read_launch_env(env)
 
 
 def test_should_use_distributed_flags(launch_env):
@@ -126,23 +126,23 @@ def test_batch_script_without_srun_is_detected_with_a_hint(launch_env):
 
 def test_master_address_and_port_from_slurm():
     env = {"SLURM_JOB_NODELIST": "gpu-a[07-09],gpu-b1", "SLURM_JOB_ID": "1234"}
-    _set_master_env(env)
+    set_master_env(env)
     assert env["MASTER_ADDR"] == "gpu-a07" and env["MASTER_PORT"] == "16234"
     # the step's nodes first; values already set are kept
     env = {"SLURM_STEP_NODELIST": "n[3-4]", "SLURM_NODELIST": "n[1-4]", "MASTER_PORT": "29500",
            "SLURM_JOB_ID": "1"}
-    _set_master_env(env)
+    set_master_env(env)
     assert env["MASTER_ADDR"] == "n3" and env["MASTER_PORT"] == "29500"
     with pytest.raises(RuntimeError, match="MASTER_ADDR is unset"):
-        _set_master_env({"SLURM_JOB_ID": "1"})
+        set_master_env({"SLURM_JOB_ID": "1"})
     assert _first_host_from_slurm_nodelist("node[001-004,007]") == "node001"
 
 
 @given(st.integers(0, 10**9))
 def test_master_port_uses_the_whole_job_id_outside_ephemeral_ports(job_id):
-    port = _master_port_for_job(str(job_id))
+    port = master_port_for_job(str(job_id))
     assert 15000 <= port < 30000 < 32768  # Linux's ephemeral ports start at 32768
-    assert _master_port_for_job(str(job_id + 10_000)) != port  # not just the last digits
+    assert master_port_for_job(str(job_id + 10_000)) != port  # not just the last digits
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback without CUDA")
@@ -172,12 +172,12 @@ def test_pick_device_refuses_to_share_gpus(monkeypatch):
 
 
 def test_timeout_values():
-    assert _as_timedelta(None) == timedelta(minutes=60)
-    assert _as_timedelta(30) == timedelta(seconds=30)
-    assert _as_timedelta(timedelta(minutes=2)) == timedelta(minutes=2)
+    assert as_timedelta(None) == timedelta(minutes=60)
+    assert as_timedelta(30) == timedelta(seconds=30)
+    assert as_timedelta(timedelta(minutes=2)) == timedelta(minutes=2)
     for bad in (0, -1, "60", True):
         with pytest.raises(ValueError, match="timeout must be"):
-            _as_timedelta(bad)
+            as_timedelta(bad)
 
 
 def test_single_process_without_launcher(launch_env):
@@ -261,7 +261,7 @@ def test_srun_two_tasks_initialise_from_slurm_variables(slurm):
     reports = _reports(done.stdout)
     _assert_two_rank_job(reports)
     job_id, nodelist = reports[0]["job"]
-    expected = [_first_host_from_slurm_nodelist(nodelist), str(_master_port_for_job(job_id))]
+    expected = [_first_host_from_slurm_nodelist(nodelist), str(master_port_for_job(job_id))]
     assert all(r["master"] == expected for r in reports)
 
 
