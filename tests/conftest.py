@@ -10,8 +10,9 @@
   per item of ``counts``; row g has columns ``id`` (int g) and ``text`` (``f"row {g}"``).
 - ``shards(format, counts) -> list[str]``: tar or Parquet (3 rows per row group) shards.
 - ``moto_s3``: a session-wide ``moto_server`` on a free 127.0.0.1 port; yields an ``S3Server``
-  with ``endpoint``, ``storage_options`` (for fsspec/s3fs) and ``bucket(name)`` -> "s3://name"
-  (created, empty). The server process is stopped at the end.
+  with ``endpoint``, ``storage_options`` (for fsspec/s3fs) and ``bucket(name)`` -> a new, empty
+  bucket's URL ("s3://name-N", unique within the session, so tests never share a bucket). The
+  server process is stopped at the end.
 
 The plain functions behind them (``sample_bytes``, ``numbered_samples``, ``write_tar``) are in
 ``tests/support.py``.
@@ -19,6 +20,7 @@ The plain functions behind them (``sample_bytes``, ``numbered_samples``, ``write
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -35,6 +37,7 @@ import pytest
 from tests.support import free_port, numbered_samples, write_tar
 
 MOTO_SERVER = Path(sys.executable).with_name("moto_server")
+_BUCKET_NUMBERS = itertools.count()
 
 
 @pytest.fixture
@@ -76,12 +79,13 @@ class S3Server:
         return {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": self.endpoint}}
 
     def bucket(self, name: str) -> str:
-        """Create an empty bucket; returns its URL."""
+        """Create a new empty bucket named ``name-N`` (unique in the session); returns its URL."""
         import s3fs
 
         fs = s3fs.S3FileSystem(**self.storage_options, skip_instance_cache=True)
-        fs.mkdir(name)
-        return f"s3://{name}"
+        unique = f"{name}-{next(_BUCKET_NUMBERS)}"
+        fs.mkdir(unique)
+        return f"s3://{unique}"
 
 
 def _wait_until_up(endpoint: str, process: subprocess.Popen, seconds: float = 30) -> None:

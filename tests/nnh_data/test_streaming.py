@@ -266,7 +266,7 @@ def test_reads_from_s3_through_moto(moto_s3, tar_shards):
     assert datasets[0].readahead == 2  # remote: the next block is fetched in a thread
     per_rank = [list(ds) for ds in datasets]
     _check_epoch(per_rank, 15, [8, 8])
-    assert per_rank[0][0]["__shard__"].startswith("s3://streaming-test/data/")
+    assert per_rank[0][0]["__shard__"].startswith(f"{bucket}/data/")
     assert all(s["bin"][:8] == s["__index__"].to_bytes(8, "little") for s in per_rank[1])
 
 
