@@ -705,7 +705,7 @@ def test_cli_warm_stats_verify_clear(moto_s3, tar_shards, tmp_path, capsys):
     infos = _s3_shards(moto_s3, paths, "warm")
     cache_dir = str(tmp_path / "cache")
     options = json.dumps(moto_s3.storage_options)
-    source = "s3://warm/*.tar"
+    source = infos[0].url.rsplit("/", 1)[0] + "/*.tar"
     argv = ["cache", "warm", source, "--cache-dir", cache_dir, "--storage-options", options,
             "--world-size", "4", "--ranks", "0-1", "--num-workers", "2",
             "--shuffle-window", "16"]  # fmt: skip
