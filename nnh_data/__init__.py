@@ -28,6 +28,7 @@ from nnh_data.precompute import (
 )
 from nnh_data.ranges import DistributedRangeSplitter
 from nnh_data.seeding import RankAwareSeedGenerator
+from nnh_data.shard_cache import CacheEntry, ShardCache
 from nnh_data.shards import (
     ShardError,
     ShardIndex,
@@ -48,12 +49,14 @@ __all__ = [
     "AugmentModule",
     "AugmentParams",
     "AugmentationConfig",
+    "CacheEntry",
     "DistributedRangeSplitter",
     "PrecomputeSpec",
     "PrecomputedParams",
     "RankAwareSeedGenerator",
     "RankCache",
     "RankCachedSampler",
+    "ShardCache",
     "ShardError",
     "ShardIndex",
     "ShardInfo",

@@ -47,7 +47,7 @@ class ParquetReader:
     ) -> None:
         self.storage_options = storage_options
         self.nullable = None if nullable is None else frozenset(nullable)
-        self._open: tuple[str, pq.ParquetFile] | None = None
+        self._open: tuple[tuple[str, BinaryIO | None], pq.ParquetFile] | None = None
 
     def read(self, info: ShardInfo, start: int, stop: int, file: BinaryIO | None = None) -> Columns:
         """Rows ``[start, stop)`` of ``info`` as columns, ``__key__`` added (the file's stem
@@ -76,7 +76,7 @@ class ParquetReader:
     def _file(self, info: ShardInfo, file: BinaryIO | None) -> pq.ParquetFile:
         """The open file of ``info`` (the last one is kept), its footer checked against the
         index."""
-        if self._open is None or self._open[0] != info.url:
+        if self._open is None or self._open[0] != (info.url, file):
             self._open = None
             if file is None:
                 fs, path = url_to_fs(info.url, **(self.storage_options or {}))
@@ -89,7 +89,7 @@ class ParquetReader:
                 indexed = f"{info.num_samples} rows in {len(info.offsets) - 1}"
                 raise StaleIndexError(info.url, "footer", f"the file has {found}, the index "
                                       f"{indexed}")  # fmt: skip
-            self._open = (info.url, parquet)
+            self._open = ((info.url, file), parquet)
         return self._open[1]
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "pass_base",
     "pass_start",
     "state_from_loader",
+    "workers_iterated_error",
 ]
 
 STATE_VERSION = 1
@@ -222,3 +223,14 @@ def pass_start(
             "or state_from_loader() to change the layout"
         )
     return [tuple(i) for i in state["base"]], state["consumed"][worker]
+
+
+def workers_iterated_error() -> RuntimeError:
+    """The error of ``state_dict()`` in the main process after DataLoader workers iterated the
+    dataset: their progress is not visible there, so the state would replay the epoch."""
+    return RuntimeError(
+        "DataLoader workers iterated this dataset, and the dataset object in the main "
+        "process does not see their progress: take the state from the loader instead, "
+        "`loader.state_dict()` of torchdata's StatefulDataLoader (what "
+        "nnh_data.streaming_loader returns), and resume with loader.load_state_dict()"
+    )

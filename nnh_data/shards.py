@@ -15,9 +15,10 @@ into columns. The index that makes ranges seekable, and :class:`ShardError`, liv
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from fsspec.core import url_to_fs
@@ -100,12 +101,15 @@ class ShardReader:
         self.storage_options = storage_options
         self._parquet = ParquetReader(storage_options, nullable)
 
-    def fetch(self, info: ShardInfo, start: int, stop: int) -> bytes | Columns:
-        """See :func:`fetch_shard_range`."""
+    def fetch(
+        self, info: ShardInfo, start: int, stop: int, file: BinaryIO | None = None
+    ) -> bytes | Columns:
+        """See :func:`fetch_shard_range`; ``file``: a local copy of the shard (a node-local
+        cache's, opened by the caller) to read instead of its URL."""
         check_int("start", start, low=0, high=info.num_samples)
         check_int("stop", stop, low=start, high=info.num_samples)
         if info.format == "parquet":
-            return self._parquet.read(info, start, stop)
+            return self._parquet.read(info, start, stop, file)
         low, high = int(info.offsets[start]), int(info.offsets[stop])
         # The shard's last range also reads the block after it: the end-of-archive marker there
         # proves the index saw every sample (a rewritten shard often keeps its size).
@@ -113,8 +117,11 @@ class ShardReader:
         if low == end:
             return b""
         try:
-            fs, path = url_to_fs(info.url, **(self.storage_options or {}))
-            data = fs.cat_file(path, start=low, end=end)
+            if file is not None:
+                data = os.pread(file.fileno(), end - low, low)
+            else:
+                fs, path = url_to_fs(info.url, **(self.storage_options or {}))
+                data = fs.cat_file(path, start=low, end=end)
         except OSError as exc:
             raise ShardError(info.url, _tar_position(info, low), f"unreadable ({exc})") from exc
         if len(data) < end - low:

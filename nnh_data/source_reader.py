@@ -13,19 +13,22 @@ its own.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain, groupby
 from typing import Any
 
 import numpy as np
 
 from nnh_data import stages
+from nnh_data.cached_pass import CachedPass
 from nnh_data.error_policy import ErrorPolicy
 from nnh_data.mixing import SourceDraws
 from nnh_data.order import Intervals, coalesce
 from nnh_data.readahead import read_ahead
+from nnh_data.shard_cache import ShardCache
 from nnh_data.shard_index import ShardError, ShardIndex
 from nnh_data.shards import ShardReader, decode_shard_columns, decode_shard_range, split_shard_range
+from nnh_data.sources import is_local
 
 __all__ = ["SourceReader"]
 
@@ -36,7 +39,8 @@ class SourceReader:
     """Reads one source's draws as :class:`~nnh_data.stages.Part` streams.
 
     ``labels``: constant labels of every row (``__source__`` when mixing); ``repeats``: add
-    ``__repeat__``; ``first_shard``: the number of the source's first shard in ``errors``.
+    ``__repeat__``; ``first_shard``: the number of the source's first shard in ``errors``;
+    ``cache``: a node-local cache remote shards are read through (:mod:`nnh_data.cached_pass`).
     """
 
     def __init__(
@@ -53,34 +57,42 @@ class SourceReader:
         storage_options: dict[str, Any] | None = None,
         nullable: Sequence[str] = (),
         readahead: int = 0,
+        cache: ShardCache | None = None,
+        cache_prefetch: int = 1,
     ) -> None:
         self.index, self.draws, self.errors = index, draws, errors
         self.first_shard, self.key_offset, self.key_stride = first_shard, key_offset, key_stride
         self.labels, self.repeats = labels or {}, repeats
         self.storage_options, self.nullable = storage_options, nullable
-        self.readahead = readahead
+        self.readahead, self.cache, self.cache_prefetch = readahead, cache, cache_prefetch
         self._starts = np.concatenate(([0], np.cumsum([i.num_samples for i in index.shards])))
 
     def parts(
-        self, epoch: int, draws: Intervals, pads: Sequence[int], rows: stages.Rows
+        self,
+        epoch: int,
+        draws: Intervals,
+        pads: Sequence[int],
+        rows: stages.Rows,
+        *,
+        following: tuple[Intervals, Sequence[int]] | None = None,
+        num_workers: int = 1,
     ) -> Iterator[stages.Part]:
         """The rows of draws ``draws`` (intervals of this epoch's draws, in order) then of the
-        single draws ``pads`` (marked ``__pad__``), in that order, as parts."""
-        runs = [(c, coalesce([(a, b) for _, a, b in g])) for c, g in groupby(
-            (s for lo, hi in draws for s in self.draws.segments(epoch, lo, hi)),
-            key=lambda s: s[0])]  # fmt: skip
-        singles = [self.draws.segments(epoch, j, j + 1)[0][:2] for j in pads]
-        window = self.draws.window
-        blocks = chain(
-            chain.from_iterable(
-                stages.read_plan(self.draws.order(c), positions, window, self._split)
-                for c, positions in runs
-            ),
-            chain.from_iterable(stages.pad_plan(self.draws.order(c), [a]) for c, a in singles),
-        )
+        single draws ``pads`` (marked ``__pad__``), in that order, as parts. With a cache:
+        ``following`` holds the draws and pads this worker reads next epoch (planned in the
+        cache), ``num_workers`` the DataLoader workers taking turns with it."""
+        runs, singles = self._runs(epoch, draws, pads)
+        blocks = self._blocks(runs, singles)
         reader = ShardReader(self.storage_options, self.nullable)
-        fetched = read_ahead(functools.partial(self._fetch, reader), blocks, self.readahead)
+        fetch = reader.fetch
+        if self.cache is not None and not is_local(self.index.shards[0].url):
+            upcoming = self._blocks(*self._runs(epoch + 1, *following)) if following else ()
+            cached = CachedPass(self.cache, reader, self.index.shards, list(blocks), upcoming,
+                                prefetch=self.cache_prefetch, num_workers=num_workers)  # fmt: skip
+            blocks, fetch = cached.blocks(), cached.fetch
+        fetched = read_ahead(functools.partial(self._fetch, fetch), blocks, self.readahead)
         decoded = ((b[3], self._rows_of(b, payload, rows)) for b, payload in fetched)
+        window = self.draws.window
         for cycle, positions in runs:
             order = self.draws.order(cycle)
             for part in stages.assemble(decoded, order, positions, window, 0, rows):
@@ -88,6 +100,29 @@ class SourceReader:
         for cycle, _ in singles:
             (part,) = stages.assemble(decoded, self.draws.order(cycle), [], window, 1, rows)
             yield self._labelled(part, epoch, cycle)
+
+    def _runs(
+        self, epoch: int, draws: Intervals, pads: Sequence[int]
+    ) -> tuple[list[tuple[int, Intervals]], list[tuple[int, int]]]:
+        """The cycles of ``draws`` with their positions, and each pad's cycle and position."""
+        runs = [(c, coalesce([(a, b) for _, a, b in g])) for c, g in groupby(
+            (s for lo, hi in draws for s in self.draws.segments(epoch, lo, hi)),
+            key=lambda s: s[0])]  # fmt: skip
+        singles = [self.draws.segments(epoch, j, j + 1)[0][:2] for j in pads]
+        return runs, singles
+
+    def _blocks(
+        self, runs: list[tuple[int, Intervals]], singles: list[tuple[int, int]]
+    ) -> Iterator[stages.Block]:
+        """The read blocks of ``runs`` then of the pads ``singles``, in read order."""
+        window = self.draws.window
+        return chain(
+            chain.from_iterable(
+                stages.read_plan(self.draws.order(c), positions, window, self._split)
+                for c, positions in runs
+            ),
+            chain.from_iterable(stages.pad_plan(self.draws.order(c), [a]) for c, a in singles),
+        )
 
     def field_names(self) -> list[str]:
         """The sorted field names of the source's first sample (one sample is read)."""
@@ -113,11 +148,11 @@ class SourceReader:
     def _split(self, shard: int, start: int, stop: int) -> list[tuple[int, int]]:
         return split_shard_range(self.index.shards[shard], start, stop, max_bytes=_READ_BYTES)
 
-    def _fetch(self, reader: ShardReader, block: stages.Block) -> object:
+    def _fetch(self, fetch: Callable[..., Any], block: stages.Block) -> object:
         """Read one block; a ``ShardError`` is returned, to be handled where it is decoded."""
         shard, start, stop, _ = block
         try:
-            return reader.fetch(self.index.shards[shard], start, stop)
+            return fetch(self.index.shards[shard], start, stop)
         except ShardError as exc:
             return exc
 

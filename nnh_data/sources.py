@@ -12,8 +12,11 @@ from typing import Any
 import braceexpand
 from fsspec import AbstractFileSystem
 from fsspec.core import split_protocol, url_to_fs
+from fsspec.utils import get_protocol
 
-__all__ = ["FORMATS", "detect_format", "expand_sources", "shard_filesystem"]
+__all__ = ["FORMATS", "detect_format", "expand_sources", "is_local", "shard_filesystem"]
+
+_LOCAL_PROTOCOLS = ("file", "local", "memory")
 
 FORMATS = ("tar", "parquet")
 _EXTENSIONS = {".tar": "tar", ".parquet": "parquet", ".pq": "parquet"}
@@ -110,3 +113,14 @@ def shard_filesystem(
         if split_protocol(url)[0] != protocol:
             raise ValueError(f"all shards must be on one filesystem, got {urls[0]!r} and {url!r}")
     return fs, [fs._strip_protocol(url) for url in urls]
+
+
+def is_local(url: str) -> bool:
+    """True for a URL on a local or in-memory filesystem (a plain path included): read in
+    place, never through a node-local cache or a read-ahead thread.
+
+    Example:
+        >>> is_local("data/a.tar"), is_local("s3://b/a.tar")
+        (True, False)
+    """
+    return get_protocol(url) in _LOCAL_PROTOCOLS

@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from fsspec.utils import get_protocol
 from torch.utils.data import IterableDataset
 
 from nnh_data import stages
@@ -47,16 +46,18 @@ from nnh_data.resume import (
     pass_base,
     pass_start,
     state_from_loader,
+    workers_iterated_error,
 )
 from nnh_data.seeding import MASK64
+from nnh_data.shard_cache import ShardCache
 from nnh_data.shards import ShardIndex, build_shard_index
 from nnh_data.source_reader import SourceReader
+from nnh_data.sources import is_local
 from nnh_data.stages import LEFT_OUT, Progress
 from nnh_data.topology import built_on_rank0, dist_info, dist_ready, in_worker_process, worker_info
 
 __all__ = ["ShardedStreamingDataset", "merge_states", "state_from_loader"]
 
-_LOCAL_PROTOCOLS = ("file", "local", "memory")
 _REMOTE_READAHEAD = 2
 _MIX_CHUNK = 4096  # mixed positions interleaved per part
 
@@ -87,7 +88,11 @@ class ShardedStreamingDataset(IterableDataset):
     parameters); ``__index__`` is then the id within its source. ``shuffle_window`` bounds the
     in-window shuffle (and the decoded samples held in memory); ``readahead`` is the number of
     read blocks fetched ahead in a thread (default 2 for remote filesystems, 0 for local ones,
-    where a thread only adds hand-off cost). With ``on_error="skip"`` unreadable shards and
+    where a thread only adds hand-off cost). ``cache_dir``: a node-local folder that remote
+    shards are read through, shared by every process of the node (one download per shard per
+    node, evicted by the known future order; :mod:`nnh_data.shard_cache`); ``cache_limit``
+    bounds it (bytes, or text such as "50GB"), ``cache_prefetch`` is the whole shards each
+    worker fetches ahead. With ``on_error="skip"`` unreadable shards and
     samples are left out, counted in ``error_counts`` and warned about once per shard; the rank
     then yields fewer than ``len()`` samples. With DataLoader workers, take and restore the
     state through torchdata's ``StatefulDataLoader`` (:func:`streaming_loader`).
@@ -131,6 +136,9 @@ class ShardedStreamingDataset(IterableDataset):
         index_path: str | None = None,
         batch_size: int | None = None,
         precomputed: str | PrecomputedParams | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        cache_limit: int | str | None = None,
+        cache_prefetch: int = 1,
     ) -> None:
         self.sources, self._mixed = _as_sources(source, epoch_size)
         self.on_error = on_error = check_choice("on_error", on_error, ON_ERROR)
@@ -153,6 +161,8 @@ class ShardedStreamingDataset(IterableDataset):
         self.batch_size = None if batch_size is None else check_int("batch_size", batch_size, low=1)
         self.rank_aware_params = bool(rank_aware_params)
         self.storage_options = storage_options
+        self.cache = _cache_of(cache_dir, cache_limit)
+        self.cache_prefetch = check_int("cache_prefetch", cache_prefetch, low=0)
         # Shared with DataLoader workers (fork and spawn pass shared-memory tensors by handle):
         # the epoch, a flag set while workers iterate, and the samples skipped per shard.
         self._shared = torch.zeros(2 + len(self.index.shards), dtype=torch.int64).share_memory_()
@@ -162,10 +172,8 @@ class ShardedStreamingDataset(IterableDataset):
         self._readers = _source_readers(
             self.sources, indexes, self._counts, seed=self.seed, window=self.window,
             mixed=self._mixed, errors=self._errors, storage_options=storage_options,
-            readahead=self.readahead,
+            readahead=self.readahead, cache=self.cache, cache_prefetch=self.cache_prefetch,
         )  # fmt: skip
-        names = [reader.labels.get("__source__", 0) for reader in self._readers]
-        self._source_number = {name: s for s, name in enumerate(names)}
         self._fingerprint = _fingerprint(self.sources, indexes, self._counts, self._mixed)
         self._loader_batch = 1
         self._pending: dict | None = None
@@ -175,7 +183,7 @@ class ShardedStreamingDataset(IterableDataset):
             self.world_size, _precomputed_of(precomputed, self._mixed),
         )  # fmt: skip
         self._check_precomputed()
-        self._param_columns(np.zeros(0, np.int64))  # validates the parameter settings now
+        self._params.columns(np.zeros(0, np.int64), epoch)  # validates the settings now
         if self._mixed and self.batch_size is not None:
             _check_same_fields(self._readers)
 
@@ -246,12 +254,7 @@ class ShardedStreamingDataset(IterableDataset):
         if self._pending is not None:
             return copy.deepcopy(self._pending)
         if int(self._shared[1]) and not in_worker_process():
-            raise RuntimeError(
-                "DataLoader workers iterated this dataset, and the dataset object in the main "
-                "process does not see their progress: take the state from the loader instead, "
-                "`loader.state_dict()` of torchdata's StatefulDataLoader (what "
-                "nnh_data.streaming_loader returns), and resume with loader.load_state_dict()"
-            )
+            raise workers_iterated_error()
         run = self._pass
         if run is None or run.epoch != self.epoch:
             run = _Pass(self.epoch, [(0, self.total_samples)], self.world_size, 1, 0)
@@ -286,18 +289,21 @@ class ShardedStreamingDataset(IterableDataset):
                            consumed, self._unit)  # fmt: skip
         self._check_precomputed()
         rows = stages.SAMPLES if self.batch_size is None else stages.COLUMNS
-        parts = stages.with_parameters(self._parts(plan, rows), self._param_columns)
+        columns = functools.partial(self._params.columns, epoch=run.epoch)
+        parts = stages.with_parameters(self._parts(plan, rows, run), columns)
         if self.batch_size is None:
             finish = None if self.decode is None else self._finish
             return stages.hand_out_samples(parts, run.progress, finish, self._skipped)
         return stages.hand_out_batches(parts, self.batch_size, run.progress, self._finish)
 
-    def _parts(self, plan: WorkerPlan, rows: stages.Rows) -> Iterator[stages.Part]:
-        """The worker's rows in hand-out order: one source's own, or the sources' mixed."""
-        if len(self._readers) == 1:
-            return self._readers[0].parts(self.epoch, plan.positions, plan.pads, rows)
-        mixed = MixedOrder(tuple(self._counts), self.seed, self.epoch)
-        return _mixed_parts(self._readers, mixed, plan, rows)
+    def _parts(self, plan: WorkerPlan, rows: stages.Rows, run: _Pass) -> Iterator[stages.Part]:
+        """The worker's rows in hand-out order: one source's own, or the sources' mixed.
+        With a cache, the sources also plan what the worker reads in the next epoch."""
+        upcoming = None if self.cache is None else worker_plan(
+            [(0, self.total_samples)], self.world_size, self.rank, run.num_workers, run.worker,
+            self.uneven, 0, self._unit)  # fmt: skip
+        return _worker_parts(self._readers, MixedOrder(tuple(self._counts), self.seed, run.epoch),
+                             plan, upcoming, rows, run.num_workers)  # fmt: skip
 
     def _finish(self, item: Any) -> Any:
         """The item as handed out: rows skipped as unreadable dropped (batches), ``decode``
@@ -308,11 +314,9 @@ class ShardedStreamingDataset(IterableDataset):
 
     def _skipped(self, label: dict) -> None:
         """Count an unreadable sample as it comes to be handed out."""
-        reader = self._readers[self._source_number[label.get("__source__", 0)]]
+        source = label.get("__source__", 0)
+        reader = next(r for r in self._readers if r.labels.get("__source__", 0) == source)
         self._errors.count(reader.shard_of(label["__index__"]))
-
-    def _param_columns(self, keys: np.ndarray) -> dict[str, np.ndarray]:
-        return self._params.columns(keys, self.epoch)
 
     def _check_precomputed(self) -> None:
         """Fail now when the precomputed table does not cover the next pass."""
@@ -363,6 +367,8 @@ def _source_readers(
     errors: ErrorPolicy,
     storage_options: dict[str, Any] | None,
     readahead: int,
+    cache: ShardCache | None,
+    cache_prefetch: int,
 ) -> list[SourceReader]:
     """One reader per source, drawing ``counts[s]`` per epoch; parameters keyed by source
     (``key_offset``) and repeat (``key_stride``)."""
@@ -378,32 +384,64 @@ def _source_readers(
             key_offset=key_offset, key_stride=sum(i.total_samples for i in indexes),
             labels={"__source__": name} if mixed else None, repeats=mixed,
             storage_options=source.storage_options or storage_options,
-            nullable=nullable, readahead=readahead,
+            nullable=nullable, readahead=readahead, cache=cache, cache_prefetch=cache_prefetch,
         ))  # fmt: skip
         first_shard += len(index.shards)
         key_offset += index.total_samples
     return readers
 
 
-def _mixed_parts(
-    readers: list[SourceReader], mixed: MixedOrder, plan: WorkerPlan, rows: stages.Rows
+def _worker_parts(
+    readers: list[SourceReader],
+    mixed: MixedOrder,
+    plan: WorkerPlan,
+    upcoming: WorkerPlan | None,
+    rows: stages.Rows,
+    num_workers: int,
 ) -> Iterator[stages.Part]:
-    """The parts of ``plan``'s positions of the mixed epoch: each source reads the draws the
-    positions hold, in its own order, and :func:`stages.mix` interleaves them."""
-    draws: list[Intervals] = [[] for _ in readers]
-    pads: list[list[int]] = [[] for _ in readers]
-    for lo, hi in plan.positions:
-        for s, (a, b) in enumerate(mixed.draw_range(lo, hi)):
-            draws[s] += [(a, b)] if b > a else []
+    """The parts of ``plan``'s positions: one source's, or each source's draws of the mixed
+    epoch read in its own order and interleaved by :func:`stages.mix`. ``upcoming``: the
+    worker's plan of the next epoch, for the cache."""
+    epoch = mixed.epoch
+    if len(readers) == 1:
+        following = None if upcoming is None else (upcoming.positions, upcoming.pads)
+        return readers[0].parts(epoch, plan.positions, plan.pads, rows, following=following,
+                                num_workers=num_workers)  # fmt: skip
+    draws = _source_draws(mixed, plan)
+    following = [None] * len(readers) if upcoming is None else _source_draws(
+        MixedOrder(mixed.counts, mixed.seed, epoch + 1), upcoming)  # fmt: skip
+    streams = [r.parts(epoch, *draws[s], rows, following=following[s], num_workers=num_workers)
+               for s, r in enumerate(readers)]  # fmt: skip
     chunks = [mixed.assign(a, min(a + _MIX_CHUNK, hi))[0]
               for lo, hi in plan.positions for a in range(lo, hi, _MIX_CHUNK)]  # fmt: skip
+    chunks += [mixed.assign(p, p + 1)[0] for p in plan.pads]
+    return stages.mix(streams, chunks, rows)
+
+
+def _source_draws(mixed: MixedOrder, plan: WorkerPlan) -> list[tuple[Intervals, list[int]]]:
+    """Per source, the draws (intervals) and the pad draws that ``plan``'s positions hold."""
+    out: list[tuple[Intervals, list[int]]] = [([], []) for _ in mixed.counts]
+    for lo, hi in plan.positions:
+        for s, (a, b) in enumerate(mixed.draw_range(lo, hi)):
+            out[s][0].extend([(a, b)] if b > a else [])
     for p in plan.pads:
         source, draw = mixed.assign(p, p + 1)
-        pads[int(source[0])].append(int(draw[0]))
-        chunks.append(source)
-    epoch = mixed.epoch
-    streams = [r.parts(epoch, draws[s], pads[s], rows) for s, r in enumerate(readers)]
-    return stages.mix(streams, chunks, rows)
+        out[int(source[0])][1].append(int(draw[0]))
+    return out
+
+
+def _cache_of(cache_dir: str | os.PathLike | None, limit: int | str | None) -> ShardCache | None:
+    """The node-local shard cache in ``cache_dir``, or None without one."""
+    if cache_dir is None:
+        if limit is not None:
+            raise ValueError(
+                f"cache_limit={limit!r} needs a cache_dir (a node-local folder) to limit; "
+                "pass cache_dir too, or leave cache_limit=None"
+            )
+        return None
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise ValueError(f"cache_dir must be a folder path or None, got {cache_dir!r}")
+    return ShardCache(cache_dir, limit)
 
 
 def _as_sources(source: Any, epoch_size: int | None) -> tuple[list[Source], bool]:
@@ -438,7 +476,7 @@ def _index_of(
 
 def _is_local(index: ShardIndex) -> bool:
     """True when the shards lie on a local or in-memory filesystem (judged by the first)."""
-    return not index.shards or get_protocol(index.shards[0].url) in _LOCAL_PROTOCOLS
+    return not index.shards or is_local(index.shards[0].url)
 
 
 def _fingerprint(

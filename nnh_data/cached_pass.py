@@ -1,0 +1,109 @@
+"""One pass of a source read through the node-local shard cache (:mod:`nnh_data.shard_cache`).
+
+A :class:`CachedPass` stands between a pass's read blocks and its
+:class:`~nnh_data.shards.ShardReader` when the dataset has a ``cache_dir`` and the source is
+remote. It publishes the pass's plan (the shard of every run of blocks and when the pass reads
+it, then the same for the next epoch, timed in samples read), moves the position as blocks are
+fetched, and reads each shard from a pinned local copy, held from the first block of its run to
+the last (a shard's blocks are consecutive in a pass, except across mixing cycles and for pads).
+The cache never changes what is read: a shard it has no room for is read from the remote, as
+without a cache, and a read error on a local copy removes the copy and reads the remote. The
+session lives in the thread that fetches: :meth:`CachedPass.blocks` opens it when the first
+block is asked for and closes it when the blocks are done or dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import BinaryIO
+
+import numpy as np
+
+from nnh_data.batching import Columns
+from nnh_data.shard_cache import CacheSession, ShardCache
+from nnh_data.shard_index import ShardError, ShardInfo
+from nnh_data.shards import ShardReader
+from nnh_data.stages import Block
+
+__all__ = ["CachedPass"]
+
+
+class CachedPass:
+    """The blocks ``blocks`` of a pass over ``shards``, read through ``cache``; ``following``:
+    the next epoch's blocks (planned, not read). ``prefetch``: whole shards fetched ahead;
+    ``num_workers``: the DataLoader workers taking turns with this one."""
+
+    def __init__(
+        self,
+        cache: ShardCache,
+        reader: ShardReader,
+        shards: Sequence[ShardInfo],
+        blocks: Sequence[Block],
+        following: Sequence[Block] = (),
+        *,
+        prefetch: int = 1,
+        num_workers: int = 1,
+    ) -> None:
+        self.cache, self.reader, self.shards = cache, reader, shards
+        self.prefetch, self.num_workers = prefetch, num_workers
+        self._blocks = list(blocks)
+        self._times = _read_times(self._blocks)
+        following = list(following)
+        self._plan = _runs(self._blocks, self._times) + _runs(
+            following, _read_times(following) + self._times[-1]
+        )
+        self._session: CacheSession | None = None
+        self._next = 0  # the number of the next block fetched
+        self._pinned: ShardInfo | None = None
+        self._file: BinaryIO | None = None
+
+    def blocks(self) -> Iterator[Block]:
+        """The pass's blocks, the cache session open while they are read."""
+        self._session = self.cache.session(
+            storage_options=self.reader.storage_options, prefetch=self.prefetch,
+            num_workers=self.num_workers,
+        )  # fmt: skip
+        try:
+            self._session.set_plan([self.shards[s] for s, _ in self._plan],
+                                   [t for _, t in self._plan])  # fmt: skip
+            yield from self._blocks
+        finally:
+            self._session.close()
+
+    def fetch(self, info: ShardInfo, start: int, stop: int) -> bytes | Columns:
+        """What :meth:`ShardReader.fetch` gives, read from the local copy when there is one.
+        Called once per block of :meth:`blocks`, in order."""
+        session = self._session
+        assert session is not None, "fetch is called for the blocks of blocks()"
+        session.advance(int(self._times[self._next]))
+        self._next += 1
+        if info is not self._pinned:
+            self._unpin()
+            self._pinned, self._file = info, session.open(info)
+        if self._file is not None:
+            try:
+                return self.reader.fetch(info, start, stop, self._file)
+            except ShardError:
+                session.discard(info)  # a bad local copy: read the remote, download it again
+                self._file = None
+        return self.reader.fetch(info, start, stop)
+
+    def _unpin(self) -> None:
+        if self._file is not None and self._session is not None:
+            self._session.release(self._pinned)
+        self._pinned, self._file = None, None
+
+
+def _read_times(blocks: Sequence[Block]) -> np.ndarray:
+    """When each block is read, in samples read before it (one more entry: the total)."""
+    sizes = np.fromiter((stop - start for _, start, stop, _ in blocks), np.int64, len(blocks))
+    return np.concatenate(([0], np.cumsum(sizes)))
+
+
+def _runs(blocks: Sequence[Block], times: np.ndarray) -> list[tuple[int, int]]:
+    """``(shard, time)`` of each run of consecutive blocks of one shard."""
+    runs: list[tuple[int, int]] = []
+    for block, t in zip(blocks, times.tolist()):
+        if not runs or runs[-1][0] != block[0]:
+            runs.append((block[0], t))
+    return runs
