@@ -13,9 +13,12 @@
   with ``endpoint``, ``storage_options`` (for fsspec/s3fs) and ``bucket(name)`` -> a new, empty
   bucket's URL ("s3://name-N", unique within the session, so tests never share a bucket). The
   server process is stopped at the end.
+- ``s3_proxy``: an ``S3Proxy`` (``tests/support.py``) in front of ``moto_s3`` for one test: point
+  a dataset's ``storage_options`` at ``s3_proxy.storage_options`` and read ``s3_proxy.gets`` /
+  ``s3_proxy.get_bytes`` (GETs and body bytes per "/bucket/key"; ``reset()`` zeroes them).
 
-The plain functions behind them (``sample_bytes``, ``numbered_samples``, ``write_tar``) are in
-``tests/support.py``.
+The plain functions and classes behind them (``sample_bytes``, ``numbered_samples``,
+``write_tar``, ``S3Proxy``) are in ``tests/support.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.support import free_port, numbered_samples, write_tar
+from tests.support import S3Proxy, free_port, numbered_samples, write_tar
 
 MOTO_SERVER = Path(sys.executable).with_name("moto_server")
 _BUCKET_NUMBERS = itertools.count()
@@ -118,6 +121,12 @@ def moto_s3() -> Iterator[S3Server]:
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_proxy(moto_s3: S3Server) -> Iterator[S3Proxy]:
+    with S3Proxy(moto_s3.endpoint) as proxy:
+        yield proxy
 
 
 @pytest.fixture

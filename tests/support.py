@@ -14,6 +14,10 @@ that reads the launch environment behaves as under ``torchrun``. With ``init_gro
 (default) a gloo group is ready when the function starts; with ``False`` the function
 initialises it itself.
 
+``S3Proxy(upstream)`` forwards HTTP to an S3 endpoint (moto) from a thread and counts the GETs
+and body bytes per object, so a test sees how often each shard was fetched; it can also be slow
+(latency per request, a bandwidth cap) for benchmarks.
+
 ``simulated(ds, workers, monkeypatch)`` is what ``DataLoader(ds, num_workers=workers)`` yields
 (workers one after the other instead of interleaved): the dataset discovers its worker through
 :func:`nnh_data.topology.worker_info`, which the ``WORKER``/``NUM_WORKERS`` environment
@@ -23,15 +27,20 @@ they agree.
 
 from __future__ import annotations
 
+import http.client
 import io
 import os
 import pickle
 import socket
 import tarfile
 import tempfile
+import threading
 import time
+import urllib.parse
+from collections import Counter
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +56,7 @@ __all__ = [
     "SCRIPTS",
     "DistributedRunError",
     "Net",
+    "S3Proxy",
     "data",
     "free_port",
     "numbered_samples",
@@ -202,3 +212,155 @@ def data(n: int, seed: int = 0) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=generator)
     return TensorDataset(x, x.sum(1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=generator))
+
+
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer",
+                         "transfer-encoding", "upgrade", "expect", "content-length"})  # fmt: skip
+_CHUNK = 64 << 10
+
+
+class S3Proxy:
+    """Forwards every request to ``upstream`` (an S3 endpoint such as moto on loopback) from a
+    thread of this process; counts GET requests and body bytes sent per object path, and can
+    add ``latency_s`` per request and cap the bandwidth at ``bytes_per_s`` (a slow object store
+    for benchmarks). A context manager; ``close()`` stops it.
+
+    The cap is shared by all connections (one link to the store). Counters are keyed by the
+    URL path without its query ("/bucket/key"); forked processes that talk to ``endpoint`` are
+    counted here, in the process that made the proxy.
+
+        with S3Proxy(moto_s3.endpoint) as proxy:
+            fs = s3fs.S3FileSystem(**proxy.storage_options)
+            fs.cat_file("bucket/key")
+            assert proxy.gets["/bucket/key"] == 1
+    """
+
+    def __init__(
+        self, upstream: str, *, latency_s: float = 0.0, bytes_per_s: float | None = None
+    ) -> None:
+        if bytes_per_s is not None and bytes_per_s <= 0:
+            raise ValueError(f"bytes_per_s must be positive or None, but given {bytes_per_s}")
+        parts = urllib.parse.urlsplit(upstream)
+        self.upstream = (parts.hostname, parts.port or 80)
+        self.latency_s, self.bytes_per_s = latency_s, bytes_per_s
+        self.gets: Counter[str] = Counter()
+        self.get_bytes: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # when the capped link is free again
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _proxy_handler(self))
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def storage_options(self) -> dict:
+        return {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": self.endpoint}}
+
+    def reset(self) -> None:
+        """Zero the counters."""
+        with self._lock:
+            self.gets.clear()
+            self.get_bytes.clear()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    def __enter__(self) -> S3Proxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _count(self, counter: Counter[str], path: str, n: int) -> None:
+        with self._lock:
+            counter[path] += n
+
+    def _throttle(self, n: int) -> None:
+        """Wait until ``n`` more bytes fit under the cap (a schedule shared by all threads)."""
+        if self.bytes_per_s is None:
+            return
+        with self._lock:
+            start = max(time.monotonic(), self._free_at)
+            self._free_at = start + n / self.bytes_per_s
+            wait = self._free_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+
+
+def _proxy_handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as clients expect of S3
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self._forward()
+
+        do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
+
+        def _forward(self) -> None:
+            path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
+            if self.command == "GET":
+                proxy._count(proxy.gets, path, 1)
+            body = self._request_body()
+            if proxy.latency_s:
+                time.sleep(proxy.latency_s)
+            upstream = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+            try:
+                upstream.putrequest(
+                    self.command, self.path, skip_host=True, skip_accept_encoding=True
+                )
+                for name, value in self.headers.items():  # Host too: it is signed
+                    if name.lower() not in _HOP_BY_HOP:
+                        upstream.putheader(name, value)
+                if body or self.command in ("PUT", "POST"):
+                    upstream.putheader("Content-Length", str(len(body)))
+                upstream.endheaders(body)
+                self._relay(upstream.getresponse(), path)
+            finally:
+                upstream.close()
+
+        def _request_body(self) -> bytes:
+            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                chunks = []
+                while size := int(self.rfile.readline().split(b";")[0], 16):
+                    chunks.append(self.rfile.read(size))
+                    self.rfile.readline()
+                while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass  # trailers
+                return b"".join(chunks)
+            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+        def _relay(self, response: http.client.HTTPResponse, path: str) -> None:
+            length = response.getheader("Content-Length")
+            body = None
+            if length is None and self.command != "HEAD":
+                body = response.read()  # chunked or until close: send it with a length
+                length = str(len(body))
+            self.send_response_only(response.status, response.reason)
+            for name, value in response.getheaders():
+                if name.lower() not in _HOP_BY_HOP:
+                    self.send_header(name, value)
+            if length is not None:
+                self.send_header("Content-Length", length)
+            self.end_headers()
+            if self.command == "HEAD":
+                return
+            counted = proxy.get_bytes if self.command == "GET" else None
+            try:
+                self._stream(response, body, counted, path)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True  # the client stopped reading: fine
+
+        def _stream(self, response, body, counted, path) -> None:
+            chunks = [body] if body is not None else iter(lambda: response.read(_CHUNK), b"")
+            for chunk in chunks:
+                proxy._throttle(len(chunk))
+                self.wfile.write(chunk)
+                if counted is not None:
+                    proxy._count(counted, path, len(chunk))
+
+    return Handler
