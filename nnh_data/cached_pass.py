@@ -7,9 +7,9 @@ it, then the same for the next epoch, timed in samples read), moves the position
 fetched, and reads each shard from a pinned local copy, held from the first block of its run to
 the last (a shard's blocks are consecutive in a pass, except across mixing cycles and for pads).
 The cache never changes what is read: a shard it has no room for is read from the remote, as
-without a cache, and a read error on a local copy removes the copy and reads the remote. The
-session lives in the thread that fetches: :meth:`CachedPass.blocks` opens it when the first
-block is asked for and closes it when the blocks are done or dropped.
+without a cache, and a local copy that fails to read or to decode is removed and the block
+read from the remote. The session lives in the thread that fetches: :meth:`CachedPass.blocks`
+opens it when the first block is asked for and closes it when the blocks are done or dropped.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ class CachedPass:
         self._next = 0  # the number of the next block fetched
         self._pinned: ShardInfo | None = None
         self._file: BinaryIO | None = None
+        self._from_copy: set[str] = set()  # URLs of the shards read from a local copy
+        self._damaged: list[ShardInfo] = []  # copies that failed to decode, to discard
 
     def blocks(self) -> Iterator[Block]:
         """The pass's blocks, the cache session open while they are read."""
@@ -67,6 +69,8 @@ class CachedPass:
             self._session.set_plan([self.shards[s] for s, _ in self._plan],
                                    [t for _, t in self._plan])  # fmt: skip
             yield from self._blocks
+            while self._damaged:
+                self._discard(self._damaged.pop())
         finally:
             self._session.close()
 
@@ -77,16 +81,40 @@ class CachedPass:
         assert session is not None, "fetch is called for the blocks of blocks()"
         session.advance(int(self._times[self._next]))
         self._next += 1
+        while self._damaged:
+            self._discard(self._damaged.pop())
         if info is not self._pinned:
             self._unpin()
             self._pinned, self._file = info, session.open(info)
         if self._file is not None:
             try:
-                return self.reader.fetch(info, start, stop, self._file)
+                payload = self.reader.fetch(info, start, stop, self._file)
+                self._from_copy.add(info.url)
+                return payload
             except ShardError:
-                session.discard(info)  # a bad local copy: read the remote, download it again
-                self._file = None
+                self._discard(info)  # a bad local copy: read the remote, download it again
         return self.reader.fetch(info, start, stop)
+
+    def copy_failed(self, info: ShardInfo) -> bool:
+        """Report that a block of ``info`` did not decode: True when it was read from a local
+        copy (then the copy is removed and the block is to be read with :meth:`fetch_remote`),
+        False when it came from the remote (the error is the shard's). Any thread."""
+        if info.url not in self._from_copy:
+            return False
+        self._damaged.append(info)  # removed by the fetching thread, which owns the session
+        return True
+
+    def fetch_remote(self, info: ShardInfo, start: int, stop: int) -> bytes | Columns:
+        """The block read from the remote, around the cache (any thread)."""
+        return ShardReader(self.reader.storage_options, self.reader.nullable).fetch(
+            info, start, stop
+        )
+
+    def _discard(self, info: ShardInfo) -> None:
+        assert self._session is not None
+        self._session.discard(info)
+        if info is self._pinned:
+            self._file = None  # the rest of the run reads the remote
 
     def _unpin(self) -> None:
         if self._file is not None and self._session is not None:

@@ -98,7 +98,7 @@ class ShardReader:
         storage_options: dict[str, Any] | None = None,
         nullable: Sequence[str] | None = None,
     ) -> None:
-        self.storage_options = storage_options
+        self.storage_options, self.nullable = storage_options, nullable
         self._parquet = ParquetReader(storage_options, nullable)
 
     def fetch(

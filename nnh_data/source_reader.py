@@ -84,14 +84,14 @@ class SourceReader:
         runs, singles = self._runs(epoch, draws, pads)
         blocks = self._blocks(runs, singles)
         reader = ShardReader(self.storage_options, self.nullable)
-        fetch = reader.fetch
+        fetch, cached = reader.fetch, None
         if self.cache is not None and not is_local(self.index.shards[0].url):
             upcoming = self._blocks(*self._runs(epoch + 1, *following)) if following else ()
             cached = CachedPass(self.cache, reader, self.index.shards, list(blocks), upcoming,
                                 prefetch=self.cache_prefetch, num_workers=num_workers)  # fmt: skip
             blocks, fetch = cached.blocks(), cached.fetch
         fetched = read_ahead(functools.partial(self._fetch, fetch), blocks, self.readahead)
-        decoded = ((b[3], self._rows_of(b, payload, rows)) for b, payload in fetched)
+        decoded = ((b[3], self._rows_of(b, payload, rows, cached)) for b, payload in fetched)
         window = self.draws.window
         for cycle, positions in runs:
             order = self.draws.order(cycle)
@@ -156,8 +156,11 @@ class SourceReader:
         except ShardError as exc:
             return exc
 
-    def _rows_of(self, block: stages.Block, payload: object, rows: stages.Rows) -> Any:
-        """The rows of a block (unreadable samples as ``None`` rows), ``__shard__`` set."""
+    def _rows_of(
+        self, block: stages.Block, payload: object, rows: stages.Rows, cached: CachedPass | None
+    ) -> Any:
+        """The rows of a block (unreadable samples as ``None`` rows), ``__shard__`` set; a
+        block read from a cached copy that fails to decode is read again from the remote."""
         shard, start, stop, _ = block
         info = self.index.shards[shard]
         try:
@@ -168,5 +171,7 @@ class SourceReader:
             else:
                 out = decode_shard_columns(info, payload, start, stop)
         except ShardError as exc:
+            if cached is not None and cached.copy_failed(info):
+                return self._rows_of(block, self._fetch(cached.fetch_remote, block), rows, None)
             out = rows.from_samples(self.errors.salvaged(info, payload, start, stop, exc))
         return rows.label(out, "__shard__", info.url)

@@ -14,6 +14,9 @@ that reads the launch environment behaves as under ``torchrun``. With ``init_gro
 (default) a gloo group is ready when the function starts; with ``False`` the function
 initialises it itself.
 
+``run_forked(fn, arg_tuples)`` runs ``fn(*args)`` in one forked process per tuple (no group, no
+spawn: the children start at once and inherit what the test built); results in order.
+
 ``S3Proxy(upstream)`` forwards HTTP to an S3 endpoint (moto) from a thread and counts the GETs
 and body bytes per object, so a test sees how often each shard was fetched; it can also be slow
 (latency per request, a bandwidth cap) for benchmarks.
@@ -29,13 +32,16 @@ from __future__ import annotations
 
 import http.client
 import io
+import multiprocessing
 import os
 import pickle
+import queue
 import socket
 import tarfile
 import tempfile
 import threading
 import time
+import traceback
 import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -61,6 +67,7 @@ __all__ = [
     "free_port",
     "numbered_samples",
     "run_distributed",
+    "run_forked",
     "sample_bytes",
     "simulated",
     "write_tar",
@@ -154,6 +161,57 @@ def _load(folder: str, rank: int) -> Any:
         raise DistributedRunError(f"rank {rank} exited without a result (os._exit or sys.exit?)")
     with open(path, "rb") as fh:
         return pickle.load(fh)
+
+
+def run_forked(
+    fn: Callable[..., Any], arg_tuples: list[tuple], timeout: float = 90.0
+) -> list[Any]:
+    """``fn(*args)`` in one forked process per item of ``arg_tuples``; results in order.
+
+    Raises:
+        DistributedRunError: a process raised (its number and traceback are in the message)
+            or was still running after ``timeout`` seconds.
+    """
+    fork = multiprocessing.get_context("fork")
+    results = fork.Queue()
+    processes = [fork.Process(target=_forked_main, args=(fn, i, args, results))
+                 for i, args in enumerate(arg_tuples)]  # fmt: skip
+    for process in processes:
+        process.start()
+    out: dict[int, Any] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(out) < len(processes):
+            try:
+                number, value, error = results.get(timeout=0.5)
+            except queue.Empty:
+                _check_running(processes, out, time.monotonic() > deadline, timeout)
+                continue
+            if error is not None:
+                raise DistributedRunError(f"process {number} failed:\n{error}")
+            out[number] = value
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+    return [out[i] for i in range(len(processes))]
+
+
+def _check_running(processes: list, done: dict, late: bool, timeout: float) -> None:
+    waiting = [i for i in range(len(processes)) if i not in done]
+    dead = {i: processes[i].exitcode for i in waiting if processes[i].exitcode not in (None, 0)}
+    if dead:
+        raise DistributedRunError(f"processes died without a result (exit codes {dead})")
+    if late:
+        raise DistributedRunError(f"processes {waiting} still running after {timeout} s (hang?)")
+
+
+def _forked_main(fn: Callable[..., Any], number: int, args: tuple, results) -> None:
+    try:
+        results.put((number, fn(*args), None))
+    except BaseException:  # reported to the test, which names the process
+        results.put((number, None, traceback.format_exc()))
 
 
 def simulated(ds, workers: int, monkeypatch) -> list:

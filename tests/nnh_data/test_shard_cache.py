@@ -38,7 +38,7 @@ from nnh_data.shard_cache import (
 )
 from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError
 from nnh_data.shards import build_shard_index
-from tests.support import ROOT, sample_bytes
+from tests.support import ROOT, run_forked, sample_bytes
 
 pytestmark = pytest.mark.timeout(120)
 _FORK = multiprocessing.get_context("fork")
@@ -301,29 +301,6 @@ def _child(target, number, args, results) -> None:
         results.put((number, None, traceback.format_exc()))
 
 
-def _run_processes(target, arg_tuples, timeout: float = 90.0) -> list:
-    """``target(*args)`` in one forked process per item; results in order. A process that
-    raises or outlives ``timeout`` fails the test, named."""
-    results = _FORK.Queue()
-    processes = [_FORK.Process(target=_child, args=(target, i, args, results))
-                 for i, args in enumerate(arg_tuples)]  # fmt: skip
-    for process in processes:
-        process.start()
-    out = {}
-    try:
-        deadline = time.monotonic() + timeout
-        while len(out) < len(processes):
-            number, value, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert error is None, f"process {number} failed:\n{error}"
-            out[number] = value
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
-    return [out[i] for i in range(len(processes))]
-
-
 def _wait_until(condition, seconds: float = 30.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -571,7 +548,7 @@ def test_four_processes_on_a_cold_cache_fetch_each_shard_once(moto_s3, tar_shard
     barrier = _FORK.Barrier(4)
     orders = [np.roll(np.arange(6), k).tolist() for k in range(4)]
     args = [(cache_dir, None, infos, moto_s3.storage_options, o, barrier) for o in orders]
-    assert _run_processes(_read_through_cache, args) == [expected] * 4
+    assert run_forked(_read_through_cache, args) == [expected] * 4
     stats = ShardCache(cache_dir).stats()
     assert (stats["downloads"], stats["hits"], stats["around"], stats["files"]) == (6, 18, 0, 6)
 
@@ -597,7 +574,7 @@ def test_the_folder_never_holds_more_than_the_limit(moto_s3, tar_shards, tmp_pat
     orders = [np.random.default_rng(k).permutation(12).tolist() for k in range(4)]
     args = [(cache_dir, limit, infos, moto_s3.storage_options, o, None, 1) for o in orders]
     try:
-        results = _run_processes(_read_through_cache, args)
+        results = run_forked(_read_through_cache, args)
     finally:
         stop.set()
         sampler.join()
