@@ -254,7 +254,11 @@ def test_four_tasks_one_killed_and_rerun_equal_one_task(tmp_path):
     assert [p.wait(timeout=120) for p in others] == [0, 0, 0]
     assert not (four / "_done" / "part-000005.parquet.json").exists()
     assert not (four / MANIFEST_NAME).exists()
-    kept = {p.name: p.stat().st_mtime_ns for p in four.glob("part-*.parquet")}
+    # Files are written in a pipeline: the killed task may have left its file 4 without its
+    # receipt (then it is redone); a file with a receipt is never redone.
+    kept = {p.name: p.stat().st_mtime_ns for p in four.glob("part-*.parquet")
+            if (four / "_done" / f"{p.name}.json").exists()}  # fmt: skip
+    assert len(kept) >= 6  # the other tasks' files
     assert subprocess.run([*task, "2"], timeout=120).returncode == 0
     assert {name: (four / name).stat().st_mtime_ns for name in kept} == kept  # not redone
     assert tree(four) == tree(one)  # every file, manifest and receipt, byte for byte; no leftovers
