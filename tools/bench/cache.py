@@ -14,24 +14,42 @@ Prints one JSON object.
 - One eviction decision (:func:`next_uses` + :func:`choose_victims`) with 10,000 cached shards
   and 64 plans, and the same decision made by the cache on a folder of 10,000 shards (listing
   and plan files included).
+- Epochs through ``ShardedStreamingDataset`` (``epoch_figures``): 96 equal tar shards of ~2 MB
+  in ``moto_server``, read through ``tests.support.S3Proxy`` adding 30 ms per request and
+  capping the link at 50 MB/s (one rank, 2 DataLoader workers, batches of 32, window 64):
+  epoch seconds, GETs and MB per epoch without a cache, with one that fits and with 25% and
+  50% of the data's bytes (ratios ``*_vs_nocache``: epoch 0 to the uncached epoch 0, later
+  epochs to the uncached epoch 1; shards fetched in epochs 1-3 beside the simulation's counts
+  on the same schedule), and from local disk (the floor of a cached epoch); seconds to open a
+  glob of 10,000 small shards (two listings, the index sidecar) and from ``iter()`` to the
+  first sample, in a fresh process, through an empty cache, the cache that left, and none.
+  ``mds``: MosaicML Streaming is only compared when installed (it is not in the venv).
 
     .venv/bin/python tools/bench/cache.py
-
-``epoch_figures(result)`` is where end-to-end epoch times through the dataset are added.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from subprocess import DEVNULL
 
 import numpy as np
+import s3fs
 from common import best_rate  # tools/bench/common.py
 
+from nnh_data import ShardedStreamingDataset, streaming_loader
 from nnh_data.order import worker_plan
 from nnh_data.shard_cache import (
     Plan,
@@ -41,12 +59,29 @@ from nnh_data.shard_cache import (
     read_schedule,
     shard_key,
 )
-from nnh_data.shard_index import ShardInfo
+from nnh_data.shard_index import ShardIndex, ShardInfo, build_shard_index
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests/
+from tests.support import (  # noqa: E402
+    S3Proxy,
+    free_port,
+    numbered_samples,
+    sample_bytes,
+    write_tar,
+)
 
 SHARDS = 96
 EPOCHS = 4
 PER_SHARD = 1000
 WINDOW = 1024  # the dataset's default shuffle window
+
+# End to end: equal tar shards behind a proxy as slow as the issue's object store.
+LATENCY_S, BYTES_PER_S = 0.03, 50e6
+EPOCH_SHARDS, EPOCH_PER_SHARD, SAMPLE_BYTES = 96, 100, 20_000  # ~2 MB shards
+EPOCH_WINDOW, BATCH, WORKERS = 64, 32, 2
+MANY, MANY_PER_SHARD = 10_000, 16  # the first-sample figures' shards
+UPLOAD_BUDGET_S = 120.0  # fewer shards when their upload takes longer
+MOTO_SERVER = Path(sys.executable).with_name("moto_server")
 
 
 @dataclass(frozen=True)
@@ -247,9 +282,196 @@ def _fake_entry(cache_dir: str, info: ShardInfo) -> None:
         json.dump({"url": info.url, "size": info.size, "version": info.version}, f)
 
 
+@contextmanager
+def moto_server() -> Iterator[str]:
+    """A ``moto_server`` on a free loopback port for the block; its endpoint."""
+    port = free_port()
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    command = [str(MOTO_SERVER), "-H", "127.0.0.1", "-p", str(port)]
+    process = subprocess.Popen(command, stdout=DEVNULL, stderr=DEVNULL, env=env)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=1).close()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto_server did not start at {endpoint}") from None
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def s3_options(endpoint: str) -> dict:
+    """fsspec storage options for the S3 endpoint ``endpoint`` (moto's credentials)."""
+    return {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": endpoint}}
+
+
+def upload_shards(upstream: str, bucket: str, folder: str) -> ShardIndex:
+    """``EPOCH_SHARDS`` equal tar shards written to ``folder``, put in ``bucket`` and indexed
+    (straight at moto: the proxy only sees the reads)."""
+    os.makedirs(folder)
+    paths = [f"{folder}/shard-{i:06d}.tar" for i in range(EPOCH_SHARDS)]
+    for i, path in enumerate(paths):
+        first = i * EPOCH_PER_SHARD
+        write_tar(path, numbered_samples(first, EPOCH_PER_SHARD, SAMPLE_BYTES), pax=False)
+    fs = s3fs.S3FileSystem(**s3_options(upstream), skip_instance_cache=True)
+    fs.mkdir(bucket)
+    fs.put(paths, [f"{bucket}/{os.path.basename(p)}" for p in paths])
+    return build_shard_index(f"{bucket}/shard-*.tar", storage_options=s3_options(upstream))
+
+
+def run_epochs(
+    index: ShardIndex, proxy: S3Proxy | None, epochs: int, cache_dir: str | None = None,
+    limit: int | None = None,
+) -> list[dict]:  # fmt: skip
+    """Per epoch (one rank, ``WORKERS`` DataLoader workers, batches of ``BATCH``): seconds,
+    GETs and MB the proxy served, and the cache's downloads, hits and reads around it.
+    ``proxy=None``: ``index`` is local."""
+    ds = ShardedStreamingDataset(
+        index, rank=0, world_size=1, shuffle_window=EPOCH_WINDOW, batch_size=BATCH,
+        storage_options=proxy and proxy.storage_options, cache_dir=cache_dir, cache_limit=limit,
+    )  # fmt: skip
+    loader = streaming_loader(ds, BATCH, num_workers=WORKERS)
+    before = dict.fromkeys(("downloads", "hits", "around"), 0)
+    out = []
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        if proxy is not None:
+            proxy.reset()
+        started = time.perf_counter()
+        samples = sum(len(batch["__index__"]) for batch in loader)
+        figures = {"s": round(time.perf_counter() - started, 2)}
+        assert samples == index.total_samples, (samples, index.total_samples)
+        if proxy is not None:
+            figures["gets"] = sum(proxy.gets.values())
+            figures["get_mb"] = round(sum(proxy.get_bytes.values()) / 1e6, 1)
+        if cache_dir is not None:
+            stats = ShardCache(cache_dir).stats()
+            figures.update({k: stats[k] - before[k] for k in before})
+            before = {k: stats[k] for k in before}
+        out.append(figures)
+    del loader  # its persistent workers stop
+    return out
+
+
+def _epoch_results(index: ShardIndex, local: ShardIndex, proxy: S3Proxy, tmp: str) -> dict:
+    """Epochs without a cache, with one that fits and with 25% and 50% of the data's bytes;
+    ratios of epoch times to the uncached epoch (epoch 0 to epoch 0, later ones to epoch 1).
+    The same shards read from local disk (``local``) give the floor of a cached epoch."""
+    data = sum(info.size for info in index.shards)
+    runs = {"local": run_epochs(local, None, 2), "nocache": run_epochs(index, proxy, 2),
+            "fits": run_epochs(index, proxy, 2, f"{tmp}/fits", 2 * data)}  # fmt: skip
+    for share in (25, 50):
+        runs[f"p{share}"] = run_epochs(index, proxy, 4, f"{tmp}/p{share}", data * share // 100)
+    base = [epoch["s"] for epoch in runs["nocache"]]
+
+    def ratios(name: str) -> list[float]:
+        return [round(e["s"] / base[min(i, 1)], 3) for i, e in enumerate(runs[name])]
+
+    out = {"epoch_shards": EPOCH_SHARDS, "epoch_mb": round(data / 1e6, 1),
+           "proxy": f"{LATENCY_S * 1000:g} ms per request, {BYTES_PER_S / 1e6:g} MB/s",
+           "epochs": runs, "fits_epoch0_vs_nocache": ratios("fits")[0],
+           "fits_epoch1_vs_nocache": ratios("fits")[1],
+           "local_epoch1_vs_nocache": ratios("local")[1]}  # fmt: skip
+    trace = demand_trace(EPOCH_SHARDS, 4, 1, WORKERS, EPOCH_PER_SHARD, EPOCH_WINDOW)
+    shard_bytes = data / EPOCH_SHARDS
+    for share in (25, 50):
+        name, capacity = f"p{share}", EPOCH_SHARDS * share // 100
+        out[f"{name}_vs_nocache"] = ratios(name)
+        measured = sum(e["get_mb"] for e in runs[name][1:]) * 1e6 / shard_bytes
+        out[f"{name}_shards_fetched_epochs_1_3"] = {
+            "measured": round(measured, 1),
+            **{p: count_fetches(trace, capacity, p) for p in ("lru", "plans", "optimum")},
+        }
+    return out
+
+
+def upload_many(upstream: str, bucket: str, count: int, budget_s: float) -> tuple[int, float]:
+    """Up to ``count`` small tar shards (``MANY_PER_SHARD`` samples of one 16-byte field) put
+    in ``bucket`` in batches, stopping when ``budget_s`` is spent; how many were put and the
+    seconds it took."""
+    fs = s3fs.S3FileSystem(**s3_options(upstream), skip_instance_cache=True)
+    fs.mkdir(bucket)
+    started, done = time.perf_counter(), 0
+    with tempfile.TemporaryDirectory() as folder:
+        while done < count and time.perf_counter() - started < budget_s:
+            batch = range(done, min(count, done + 500))
+            fs.pipe({f"{bucket}/s-{i:06d}.tar": _small_tar(f"{folder}/s.tar", i) for i in batch})
+            done = batch.stop
+    return done, time.perf_counter() - started
+
+
+def _small_tar(path: str, i: int) -> bytes:
+    first = i * MANY_PER_SHARD
+    write_tar(Path(path), [{"__key__": f"{g:08d}", "bin": sample_bytes(g, 16)}
+                           for g in range(first, first + MANY_PER_SHARD)], pax=False)  # fmt: skip
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def first_sample_figures(upstream: str, proxy: S3Proxy, tmp: str) -> dict:
+    """Seconds to open ``s3://.../s-*.tar`` with 10,000 shards (listing, index sidecar in the
+    bucket) and from ``iter()`` to its first sample, in a fresh process after its imports:
+    through an empty cache (cold), through the cache that left (warm), and without a cache."""
+    count, upload_s = upload_many(upstream, "s3://bench-many", MANY, UPLOAD_BUDGET_S)
+    started = time.perf_counter()
+    build_shard_index("s3://bench-many/s-*.tar", storage_options=s3_options(upstream))
+    out = {"first_sample_shards": count, "first_sample_window": EPOCH_WINDOW,
+           "upload_s": round(upload_s, 1),
+           "index_build_s": round(time.perf_counter() - started, 1)}  # fmt: skip
+    key = "first_sample_10k" if count == MANY else f"first_sample_{count}"
+    for name, folder in (("cold", f"{tmp}/cache"), ("warm", f"{tmp}/cache"), ("nocache", None)):
+        seconds = _first_sample("s3://bench-many/s-*.tar", proxy.storage_options, folder)
+        out[f"{key}_{name}_s"] = round(sum(seconds.values()), 3)
+        out[f"{key}_{name}"] = {k: round(v, 3) for k, v in seconds.items()}
+    return out
+
+
+def _first_sample(pattern: str, options: dict, cache_dir: str | None) -> dict[str, float]:
+    """``open_s`` (the dataset built from ``pattern``) and ``first_s`` (``iter()`` to the first
+    sample) in a fresh interpreter."""
+    code = (
+        "import json, time\n"
+        "from nnh_data import ShardedStreamingDataset\n"
+        "t = time.perf_counter()\n"
+        f"ds = ShardedStreamingDataset({pattern!r}, storage_options={options!r}, "
+        f"cache_dir={cache_dir!r}, shuffle_window={EPOCH_WINDOW}, rank=0, world_size=1)\n"
+        "opened = time.perf_counter()\n"
+        "next(iter(ds))\n"
+        "print(json.dumps({'open_s': opened - t, 'first_s': time.perf_counter() - opened}))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(run.stdout)
+
+
+def _has_mds() -> bool:
+    """Whether ``mosaicml-streaming`` is installed (its module name, ``streaming``, is also
+    this folder's bench script)."""
+    try:
+        importlib.metadata.distribution("mosaicml-streaming")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def epoch_figures(result: dict) -> dict:
-    """End-to-end epoch times through the dataset (moto behind a slow proxy): to be added when
-    the cache is plugged into ``ShardedStreamingDataset``."""
+    """``result`` plus epoch times and GETs through the dataset (moto behind a slow proxy)
+    without a cache, with one that fits and at 25% and 50% of the data; seconds to the first
+    sample with 10,000 indexed shards, cold and warm; MDS figures when installed."""
+    with moto_server() as upstream, S3Proxy(upstream, latency_s=LATENCY_S,
+                                            bytes_per_s=BYTES_PER_S) as proxy:  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            index = upload_shards(upstream, "s3://bench-epochs", f"{tmp}/shards")
+            local = build_shard_index(f"{tmp}/shards/shard-*.tar")
+            result.update(_epoch_results(index, local, proxy, tmp))
+        with tempfile.TemporaryDirectory() as tmp:
+            result.update(first_sample_figures(upstream, proxy, tmp))
+    result["mds"] = "installed: not measured" if _has_mds() else "not installed"
     return result
 
 
