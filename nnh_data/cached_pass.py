@@ -69,8 +69,7 @@ class CachedPass:
             self._session.set_plan([self.shards[s] for s, _ in self._plan],
                                    [t for _, t in self._plan])  # fmt: skip
             yield from self._blocks
-            while self._damaged:
-                self._discard(self._damaged.pop())
+            self._discard_damaged()
         finally:
             self._session.close()
 
@@ -81,8 +80,7 @@ class CachedPass:
         assert session is not None, "fetch is called for the blocks of blocks()"
         session.advance(int(self._times[self._next]))
         self._next += 1
-        while self._damaged:
-            self._discard(self._damaged.pop())
+        self._discard_damaged()
         if info is not self._pinned:
             self._unpin()
             self._pinned, self._file = info, session.open(info)
@@ -109,6 +107,10 @@ class CachedPass:
         return ShardReader(self.reader.storage_options, self.reader.nullable).fetch(
             info, start, stop
         )
+
+    def _discard_damaged(self) -> None:
+        while self._damaged:
+            self._discard(self._damaged.pop())
 
     def _discard(self, info: ShardInfo) -> None:
         assert self._session is not None

@@ -3,7 +3,7 @@ from __future__ import annotations
 import fsspec
 import pytest
 
-from nnh_data.sources import detect_format, expand_sources, shard_filesystem
+from nnh_data.sources import detect_format, expand_sources, is_local, shard_filesystem
 
 
 def test_brace_patterns_keep_padding_and_take_lists():
@@ -44,3 +44,13 @@ def test_one_filesystem_per_source():
         shard_filesystem(["memory://a/x.tar", "/local/y.tar"])
     with pytest.raises(ValueError, match="at least one shard"):
         expand_sources([])
+
+
+@pytest.mark.parametrize(
+    ("url", "local"),
+    [("data/a.tar", True), ("/abs/a.tar", True), ("file:///abs/a.tar", True),
+     ("memory://a.tar", True), ("s3://b/a.tar", False), ("gs://b/a.tar", False),
+     ("https://host/a.tar", False)],
+)  # fmt: skip
+def test_is_local_tells_files_read_in_place(url, local):
+    assert is_local(url) is local
