@@ -36,7 +36,7 @@ from fsspec.implementations.local import LocalFileSystem
 from tqdm.auto import tqdm
 
 from nnh_data.checks import check_choice
-from nnh_data.sources import FORMATS, detect_format, expand_sources, shard_filesystem
+from nnh_data.sources import FORMATS, detect_format, listed_sources, shard_filesystem
 from nnh_data.tar_format import TarFormatError, parse_samples
 from nnh_data.topology import dist_info
 
@@ -269,11 +269,18 @@ def file_version(item: dict[str, Any]) -> str:
     return ""
 
 
-def file_stats(fs: AbstractFileSystem, paths: Sequence[str]) -> list[tuple[int, str]]:
-    """``(size, version)`` of each file, from one listing per folder (a stat or a request per
-    file is slow); ``FileNotFoundError`` naming the first missing shard."""
-    listed: dict[str, tuple[int, str]] = {}
-    for folder in dict.fromkeys(posixpath.dirname(p) for p in paths):
+def file_stats(
+    fs: AbstractFileSystem,
+    paths: Sequence[str],
+    entries: Sequence[dict[str, Any] | None] | None = None,
+) -> list[tuple[int, str]]:
+    """``(size, version)`` of each file: from its listing entry in ``entries`` when given (what
+    :func:`~nnh_data.sources.listed_sources` found), else from one listing per folder (a stat
+    or a request per file is slow); ``FileNotFoundError`` naming the first missing shard."""
+    entries = entries or [None] * len(paths)
+    listed = {p: (e["size"], file_version(e)) for p, e in zip(paths, entries) if e is not None}
+    unlisted = [p for p in paths if p not in listed]
+    for folder in dict.fromkeys(posixpath.dirname(p) for p in unlisted):
         try:
             items = fs.ls(folder, detail=True)
         except FileNotFoundError:
@@ -349,10 +356,11 @@ def build_shard_index(
     (64000, array([   0, 1000, 2000]))
     """
     check_choice("on_error", on_error, ("raise", "skip"))
-    urls = expand_sources(source, storage_options)
+    found = listed_sources(source, storage_options)
+    urls = [url for url, _ in found]
     formats = [detect_format(url, format) for url in urls]
     fs, paths = shard_filesystem(urls, storage_options)
-    stats = file_stats(fs, paths)
+    stats = file_stats(fs, paths, [entry for _, entry in found])
     index_path = index_path or default_index_path(urls)
     entries = {} if rebuild else load_entries(index_path, storage_options)
     infos = cached_infos(urls, formats, stats, entries, index_path)

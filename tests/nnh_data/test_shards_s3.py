@@ -64,3 +64,17 @@ def test_unreadable_shard_on_s3_names_its_url(moto_s3):
     with pytest.raises(ShardError) as caught:
         build_shard_index(f"{bucket}/bad.tar", storage_options=options)
     assert caught.value.url == f"{bucket}/bad.tar"
+
+
+@pytest.mark.parametrize("pattern", ["train/s-*.tar", "train"])  # a glob, a folder
+def test_the_index_lists_the_bucket_once(pattern, moto_s3, s3_proxy):
+    """The glob's (or the folder's) listing gives the sizes and versions too: one listing
+    request, not a second one for the stats (10,000 objects take seconds to list)."""
+    bucket = moto_s3.bucket("listed")
+    write_shards(samples(9), f"{bucket}/train/s-%03d.tar", max_count=2,
+                 storage_options=moto_s3.storage_options)  # fmt: skip
+    bucket_path = "/" + bucket[len("s3://") :]
+    s3_proxy.reset()
+    index = build_shard_index(f"{bucket}/{pattern}", storage_options=s3_proxy.storage_options)
+    assert index.total_samples == 9 and len(index.shards) == 5
+    assert s3_proxy.gets[bucket_path] == 1  # list requests go to the bucket's path
