@@ -53,6 +53,7 @@ import time
 import warnings
 import zlib
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -997,15 +998,20 @@ def _remote_chunks(info: ShardInfo, options: dict, stop: threading.Event) -> Ite
 def _read_remote(
     info: ShardInfo, options: dict, chunks: queue.Queue, abort: threading.Event
 ) -> None:
+    """Ranged reads of the indexed size, one request each, while the object's details (its
+    version) are asked for in parallel: ``fs.open`` would wait for them before its first read,
+    a second round trip per shard. Nothing is published before the version matched."""
     try:
         fs, path = url_to_fs(info.url, **options)
-        with fs.open(path, "rb") as f:
-            _check_version(info, getattr(f, "details", None))
-            while not abort.is_set():
-                chunk = f.read(CHUNK_BYTES)
-                _put(chunks, chunk, abort)
-                if not chunk:
+        with ThreadPoolExecutor(1) as pool:
+            details = pool.submit(fs.info, path)
+            for start in range(0, info.size, CHUNK_BYTES):
+                if abort.is_set():
                     return
+                end = min(info.size, start + CHUNK_BYTES)
+                _put(chunks, fs.cat_file(path, start=start, end=end), abort)
+            _check_version(info, details.result())
+        _put(chunks, b"", abort)
     except BaseException as exc:  # handed to the consumer, which raises it
         _put(chunks, exc, abort)
 
@@ -1020,10 +1026,12 @@ def _put(chunks: queue.Queue, item: object, abort: threading.Event) -> None:
 
 
 def _check_version(info: ShardInfo, details: dict | None) -> None:
-    """StaleIndexError when the opened object's version field differs from the index's."""
+    """StaleIndexError when the object's size or version field differs from the index's."""
     name, _, value = info.version.partition("=")
     if details and name in details and str(details[name]) != value:
         raise StaleIndexError(info.url, "open", f"{name} is {details[name]!s}, indexed {value}")
+    if details and details.get("size") not in (None, info.size):
+        raise StaleIndexError(info.url, "open", f"size is {details['size']}, indexed {info.size}")
 
 
 # ---------------------------------------------------------------- a reader's session

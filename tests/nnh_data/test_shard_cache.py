@@ -227,6 +227,9 @@ class _SlowReader:
         time.sleep(float(os.environ.get("NNH_TEST_READ_DELAY", "0")))
         return self.f.read(size)
 
+    def __getattr__(self, name):  # seek, tell, ...: the file's own
+        return getattr(self.f, name)
+
     def close(self) -> None:
         self.f.close()
 
