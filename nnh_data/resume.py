@@ -14,6 +14,12 @@ that state resumes the same worker of the same layout, which is what torchdata's
 with :func:`merge_states` / :func:`state_from_loader`) resumes with any world size and worker
 count: the positions left over (:func:`nnh_data.order.remaining`) become the new base.
 
+A state is data a user can edit or damage, so :func:`check_state` checks every field at load
+time (type, range, consistency with the other fields; unknown keys refused) and
+:func:`check_matches` its consistency with the dataset, each error naming the field: a bad
+state fails at ``load_state_dict``, never later inside a DataLoader worker or as a pass that
+silently yields nothing. A state without the shard fingerprint loads only with ``strict=False``.
+
 Every function here is pure: it checks, builds or combines dicts and intervals.
 """
 
@@ -24,8 +30,9 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from nnh_data.checks import check_int
-from nnh_data.order import Intervals, remaining
+from nnh_data.checks import check_choice, check_int
+from nnh_data.order import UNEVEN, Intervals, base_size, rank_span, remaining, worker_range
+from nnh_data.seeding import MASK64
 
 __all__ = [
     "SETTING_KEYS",
@@ -44,6 +51,7 @@ __all__ = [
 STATE_VERSION = 1
 SETTING_KEYS = ("seed", "total", "window", "uneven", "shards", "batch_size", "unit")
 _LAYOUT_KEYS = ("version", "epoch", "base", "world_size", *SETTING_KEYS)
+_KEYS = (*_LAYOUT_KEYS, "num_workers", "consumed")
 _SHARDS_HINT = (
     " (a fingerprint of the shard names and sample counts, which define the order and the "
     "ids): resume with the same shards, in the same order, with the same contents"
@@ -77,24 +85,75 @@ def make_state(
     return {**state, "consumed": consumed}
 
 
-def check_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A deep copy of ``state`` after checking its shape (ValueError naming what is wrong);
-    keys older versions left out get their default."""
+def check_state(state: Mapping[str, Any], *, strict: bool = True) -> dict[str, Any]:
+    """A deep copy of ``state`` after checking every field: its type, its range and its
+    consistency with the other fields; a ``ValueError`` names the field, the value and what is
+    allowed. Unknown keys are refused. ``strict=False`` accepts the states of older versions,
+    which lack ``batch_size``, ``unit`` or the shard fingerprint ``shards`` (defaults filled in).
+    """
     if not isinstance(state, Mapping):
         raise ValueError(f"state must be a dict from state_dict(), got {type(state).__name__}")
     state = copy.deepcopy(dict(state))
-    state.setdefault("batch_size", None)  # states of older per-sample passes leave it out
-    state.setdefault("unit", state["batch_size"] or 1)
-    state.setdefault("shards", None)  # older states: no fingerprint to check
-    missing = [k for k in (*_LAYOUT_KEYS, "num_workers", "consumed") if k not in state]
+    unknown = [k for k in state if k not in _KEYS]
+    if unknown:
+        raise ValueError(f"state has unknown keys {unknown}; a state_dict() holds {list(_KEYS)}")
+    if not strict:
+        state.setdefault("batch_size", None)  # states of older per-sample passes leave it out
+        state.setdefault("unit", state["batch_size"] or 1)
+        state.setdefault("shards", None)  # older states: no fingerprint to check
+    missing = [k for k in _KEYS if k not in state]
     if missing:
-        raise ValueError(f"state must hold the keys of state_dict(); missing {missing}")
+        hint = " (the states of older versions load with strict=False)" if strict else ""
+        raise ValueError(f"state is missing keys {missing}; pass a whole state_dict(){hint}")
     if state["version"] != STATE_VERSION:
         raise ValueError(f"state['version'] must be {STATE_VERSION}, got {state['version']!r}")
+    _check_fields(state, strict)
+    _check_base(state["base"], state["total"])
+    _check_consumed(state)
+    return state
+
+
+def _check_fields(state: dict[str, Any], strict: bool) -> None:
+    """The scalar fields: types and ranges."""
+    for key in ("epoch", "seed"):
+        check_int(f"state[{key!r}]", state[key], low=0, high=MASK64)
+    check_int("state['total']", state["total"], low=0)
+    check_int("state['window']", state["window"], low=0)
+    check_choice("state['uneven']", state["uneven"], UNEVEN)
+    for key in ("world_size", "num_workers", "unit"):
+        check_int(f"state[{key!r}]", state[key], low=1)
     if state["batch_size"] is not None:
         check_int("state['batch_size']", state["batch_size"], low=1)
-    num_workers = check_int("state['num_workers']", state["num_workers"], low=1)
-    consumed = state["consumed"]
+        if state["unit"] != state["batch_size"]:
+            raise ValueError(
+                f"state['unit'] must equal state['batch_size'] ({state['batch_size']}) in a "
+                f"state of batches, got {state['unit']}"
+            )
+    shards = state["shards"]
+    if not (isinstance(shards, str) and shards or shards is None and not strict):
+        raise ValueError(
+            f"state['shards'] must be the shard fingerprint str of state_dict(), got {shards!r}"
+            + ("; pass strict=False to load a state without one (its shard list unchecked)"
+               if shards is None else "")  # fmt: skip
+        )
+
+
+def _check_base(base: Any, total: int) -> None:
+    """``base``: increasing, disjoint ``[lo, hi]`` pairs of positions in ``[0, total]``."""
+    if not isinstance(base, list) or not all(
+        isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in base
+    ):
+        raise ValueError(f"state['base'] must be a list of [lo, hi] pairs, got {base!r}")
+    previous = 0
+    for i, (lo, hi) in enumerate(base):
+        lo = check_int(f"state['base'][{i}][0]", lo, low=previous, high=total - 1)
+        previous = check_int(f"state['base'][{i}][1]", hi, low=lo + 1, high=total)
+
+
+def _check_consumed(state: dict[str, Any]) -> None:
+    """``consumed``: one count per worker (``None`` for unknown ones, not all), each at most
+    that worker's share of the pass."""
+    num_workers, consumed = state["num_workers"], state["consumed"]
     if (
         not isinstance(consumed, list)
         or len(consumed) != num_workers
@@ -104,35 +163,62 @@ def check_state(state: Mapping[str, Any]) -> dict[str, Any]:
             f"state['consumed'] must be a list of {num_workers} counts (None for unknown ones, "
             f"not all), got {consumed!r}"
         )
-    return state
+    length = rank_span(base_size(state["base"]), state["world_size"], 0, state["uneven"]).length
+    for k, count in enumerate(consumed):
+        if count is not None:
+            a, b = worker_range(length, num_workers, k, state["unit"])
+            check_int(f"state['consumed'][{k}]", count, low=0, high=b - a)
 
 
-def check_matches(state: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
+def check_matches(
+    state: Mapping[str, Any],
+    settings: Mapping[str, Any],
+    *,
+    world_size: int | None = None,
+    strict: bool = True,
+) -> None:
     """Raise ``ValueError`` unless a checked ``state`` belongs to a dataset with ``settings``
-    (the order-defining ones: seed, total, window, uneven, shards). A state without a shard
-    fingerprint (an older version) is accepted with a warning."""
+    (the order-defining ones: seed, total, window, uneven, shards) and, for the state of one
+    DataLoader worker, ``world_size`` (it resumes only its own layout). A state without a shard
+    fingerprint (an older version) is refused unless ``strict=False`` (then it is accepted
+    with a warning)."""
     for key in ("seed", "total", "window", "uneven", "shards"):
         if key == "shards" and state[key] is None:
+            if strict:
+                raise ValueError(
+                    "state['shards'] is None: the state has no shard fingerprint, so nothing "
+                    "proves it belongs to these shards; pass strict=False to load it anyway"
+                )
             warnings.warn("state has no shard fingerprint: not checked", stacklevel=3)
         elif state[key] != settings[key]:
             raise ValueError(
                 f"state[{key!r}] is {state[key]!r} but this dataset has {settings[key]!r}"
                 + (_SHARDS_HINT if key == "shards" else "")
             )
+    one_worker = None in state["consumed"]
+    if one_worker and world_size is not None and state["world_size"] != world_size:
+        raise ValueError(
+            f"state['world_size'] is {state['world_size']} but this dataset has world_size="
+            f"{world_size}; this state holds the progress of one DataLoader worker, which "
+            "resumes only its own layout: merge the workers' states with merge_states() or "
+            "state_from_loader() to change it"
+        )
 
 
-def merge_states(states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+def merge_states(states: Iterable[Mapping[str, Any]], *, strict: bool = True) -> dict[str, Any]:
     """One state with every worker's count, from the states of one rank's DataLoader workers.
 
     Load it into a new dataset to resume with another world size or number of workers.
+    ``strict=False`` accepts the states of older versions (see :func:`check_state`).
 
     Example:
         >>> a = {"version": 1, "epoch": 0, "seed": 0, "total": 8, "window": 4, "uneven": "pad",
-        ...      "base": [[0, 8]], "world_size": 1, "num_workers": 2, "consumed": [3, None]}
+        ...      "base": [[0, 8]], "world_size": 1, "num_workers": 2, "batch_size": None,
+        ...      "unit": 1, "shards": "x", "consumed": [3, None]}
         >>> merge_states([a, {**a, "consumed": [None, 1]}])["consumed"]
         [3, 1]
     """
-    checked = [check_state(s) for s in states]
+    checked = [check_state(s, strict=strict) for s in states]
     if not checked:
         raise ValueError("states must hold at least one state, got none")
     merged = checked[0]

@@ -262,10 +262,16 @@ class ShardedStreamingDataset(IterableDataset):
                           world_size=run.world_size, num_workers=run.num_workers,
                           worker=run.worker, handed_out=run.progress.handed_out())  # fmt: skip
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from ``state_dict()`` output: the next pass yields the rest of that epoch."""
-        state = check_state(state)
-        check_matches(state, self._settings)
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Resume from ``state_dict()`` output: the next pass yields the rest of that epoch.
+
+        Every field is checked now (``ValueError`` naming it), and the state must belong to
+        this dataset (its shard fingerprint, seed, size, ...). ``strict=False`` also loads a
+        state of an older version, without a fingerprint (the shard list is then unchecked:
+        a warning says so). torchdata's ``StatefulDataLoader`` calls this with the state alone.
+        """
+        state = check_state(state, strict=strict)
+        check_matches(state, self._settings, world_size=self.world_size, strict=strict)
         self._shared[0], self._shared[1] = state["epoch"], 0
         self._pending, self._pass = state, None
 

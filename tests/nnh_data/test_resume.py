@@ -44,6 +44,32 @@ def test_make_state_records_settings_layout_and_one_count():
         ({**state(0, 1), "consumed": [1]}, "consumed"),
         ({**state(0, 1), "num_workers": 0}, "num_workers"),
         ({**state(0, 1), "batch_size": 0}, "batch_size"),
+        # what an edited or damaged state holds: each refused, the field named
+        ({**state(0, 1), "world_size": -1}, r"state\['world_size'\] must be in \[1, inf\), got -1"),
+        ({**state(0, 1), "epoch": 3.0}, r"state\['epoch'\] must be an integer, got float 3.0"),
+        ({**state(0, 1), "epoch": -1}, r"state\['epoch'\] must be in \[0, "),
+        ({**state(0, 1), "epoch": True}, r"state\['epoch'\] must be an integer, got bool"),
+        ({**state(0, 1), "seed": "3"}, r"state\['seed'\] must be an integer"),
+        ({**state(0, 1), "total": -5}, r"state\['total'\]"),
+        ({**state(0, 1), "window": None}, r"state\['window'\]"),
+        ({**state(0, 1), "uneven": "wrap"}, r"state\['uneven'\] must be one of 'pad', 'drop'"),
+        ({**state(0, 1), "shards": None}, r"state\['shards'\] must be .*strict=False"),
+        ({**state(0, 1), "shards": 7}, r"state\['shards'\] must be"),
+        ({k: v for k, v in state(0, 1).items() if k != "shards"}, r"missing keys \['shards'\]"),
+        ({k: v for k, v in state(0, 1).items() if k != "unit"}, r"missing keys \['unit'\]"),
+        ({**state(0, 1), "resumed_by": "me"}, r"unknown keys \['resumed_by'\]"),
+        ({**state(0, 1), "unit": 0}, r"state\['unit'\]"),
+        ({**state(0, 1), "batch_size": 4, "unit": 1}, r"state\['unit'\] must equal"),
+        ({**state(0, 1), "base": None}, r"state\['base'\] must be a list"),
+        ({**state(0, 1), "base": [[0, 20, 3]]}, r"state\['base'\] must be a list of \[lo, hi\]"),
+        ({**state(0, 1), "base": [[-1, 20]]}, r"state\['base'\]\[0\]\[0\] must be in \[0, 19\]"),
+        ({**state(0, 1), "base": [[0, 21]]}, r"state\['base'\]\[0\]\[1\] must be in \[1, 20\]"),
+        ({**state(0, 1), "base": [[5, 5]]}, r"state\['base'\]\[0\]\[1\]"),
+        ({**state(0, 1), "base": [[8, 12], [2, 4]]}, r"state\['base'\]\[1\]\[0\] must be in \[12"),
+        ({**state(0, 1), "consumed": [-1, None]}, r"state\['consumed'\]\[0\] must be in \[0, 5\]"),
+        ({**state(0, 1), "consumed": [6, None]}, r"state\['consumed'\]\[0\] must be in \[0, 5\]"),
+        ({**state(0, 1), "consumed": [1.5, None]}, r"state\['consumed'\]\[0\] must be an int"),
+        ({**state(0, 1), "consumed": "12"}, r"state\['consumed'\] must be a list"),
     ],
 )
 def test_check_state_names_what_is_wrong(broken, message):
@@ -51,12 +77,32 @@ def test_check_state_names_what_is_wrong(broken, message):
         check_state(broken)
 
 
-def test_check_state_fills_what_older_versions_left_out():
+def test_check_state_accepts_what_state_dicts_hold():
+    for made in (state(0, 0), state(1, 5), {**state(0, 0, world_size=1), "consumed": [10, 10]},
+                 {**state(0, 0), "base": [], "consumed": [0, 0]},
+                 {**state(0, 2), "base": [[3, 9], [9, 11], [15, 20]]}):  # fmt: skip
+        assert check_state(made) == made
+
+
+def test_check_state_fills_what_older_versions_left_out_when_not_strict():
     old = {k: v for k, v in state(0, 1).items() if k not in ("batch_size", "unit", "shards")}
-    checked = check_state(old)
+    with pytest.raises(ValueError, match="strict=False"):
+        check_state(old)
+    checked = check_state(old, strict=False)
     assert (checked["batch_size"], checked["unit"], checked["shards"]) == (None, 1, None)
-    with pytest.warns(UserWarning, match="no shard fingerprint"):
+    with pytest.raises(ValueError, match=r"no shard fingerprint.*strict=False"):
         check_matches(checked, SETTINGS)
+    with pytest.warns(UserWarning, match="no shard fingerprint"):
+        check_matches(checked, SETTINGS, strict=False)
+
+
+def test_check_matches_refuses_a_worker_state_of_another_world_size():
+    check_matches(check_state(state(0, 1)), SETTINGS, world_size=2)
+    with pytest.raises(ValueError, match=r"state\['world_size'\] is 2 but this dataset has "
+                       r"world_size=4.*merge"):  # fmt: skip
+        check_matches(check_state(state(0, 1)), SETTINGS, world_size=4)
+    merged = {**state(0, 0), "consumed": [2, 3]}  # every count: resumes with any world size
+    check_matches(check_state(merged), SETTINGS, world_size=4)
 
 
 @pytest.mark.parametrize("key", ["seed", "total", "window", "uneven", "shards"])

@@ -156,3 +156,74 @@ def test_a_worker_state_only_resumes_its_own_layout(tar_shards):
         merge_states([state])
     merged = merge_states([state, {**state, "consumed": [None, 2]}])
     assert merged["consumed"] == [3, 2]
+
+
+def _damaged(state: dict, **edits) -> dict:
+    """``state`` with keys set (a value of ``...`` deletes the key)."""
+    out = {**state, **edits}
+    return {k: v for k, v in out.items() if v is not ...}
+
+
+@pytest.mark.parametrize(
+    ("edits", "message"),
+    [
+        ({"world_size": -1}, r"state\['world_size'\] must be in \[1, inf\), got -1"),
+        (  # one DataLoader worker's state resumes only its own layout
+            {"world_size": 2, "num_workers": 2, "consumed": [5, None]},
+            r"state\['world_size'\] is 2 but this dataset has world_size=1",
+        ),
+        ({"epoch": 3.0}, r"state\['epoch'\] must be an integer, got float 3.0"),
+        ({"epoch": -2}, r"state\['epoch'\] must be in \[0, "),
+        ({"shards": None}, r"state\['shards'\] must be .*strict=False"),
+        ({"shards": ...}, r"missing keys \['shards'\]"),
+        ({"unit": ...}, r"missing keys \['unit'\]"),
+        ({"note": "edited"}, r"unknown keys \['note'\]"),
+        ({"base": [[0, 25]]}, r"state\['base'\]\[0\]\[1\] must be in \[1, 20\], got 25"),
+        ({"consumed": [21]}, r"state\['consumed'\]\[0\] must be in \[0, 20\], got 21"),
+    ],
+)
+def test_damaged_state_is_refused_at_load_naming_the_field(tar_shards, edits, message):
+    urls = tar_shards([10, 10])
+    ds = ShardedStreamingDataset(urls, seed=1)
+    it = iter(ds)
+    handed = [next(it)["__index__"] for _ in range(5)]
+    state = ds.state_dict()
+    fresh = ShardedStreamingDataset(urls, seed=1)
+    with pytest.raises(ValueError, match=message):
+        fresh.load_state_dict(_damaged(state, **edits))
+    fresh.load_state_dict(state)  # the refused load left nothing behind
+    rest = [s["__index__"] for s in fresh]
+    assert sorted(handed + rest) == list(range(20))
+
+
+def test_state_without_fingerprint_loads_only_when_not_strict(tar_shards):
+    urls = tar_shards([10, 10])
+    ds = ShardedStreamingDataset(urls, seed=1)
+    it = iter(ds)
+    handed = [next(it)["__index__"] for _ in range(7)]
+    old = _damaged(ds.state_dict(), shards=..., unit=..., batch_size=...)  # an older version
+    with pytest.raises(ValueError, match="strict=False"):
+        ShardedStreamingDataset(urls, seed=1).load_state_dict(old)
+    fresh = ShardedStreamingDataset(urls, seed=1)
+    with pytest.warns(UserWarning, match="no shard fingerprint"):
+        fresh.load_state_dict(old, strict=False)
+    assert sorted(handed + [s["__index__"] for s in fresh]) == list(range(20))
+
+
+@pytest.mark.timeout(120)
+def test_stateful_loader_with_workers_loads_states_and_names_a_damaged_field(tar_shards):
+    urls = tar_shards([10, 10])
+    kw = {"batch_size": 3, "num_workers": 2, "collate_fn": _ids}
+    loader = StatefulDataLoader(ShardedStreamingDataset(urls, seed=1), **kw)
+    handed = _take(loader, 3)
+    state = loader.state_dict()
+    resumed = StatefulDataLoader(ShardedStreamingDataset(urls, seed=1), **kw)
+    resumed.load_state_dict(state)
+    rest = [item for batch in resumed for item in batch]
+    assert sorted(i for i, _ in handed + rest) == list(range(20))
+    for worker in state["_snapshot"]["_worker_snapshots"].values():
+        worker["dataset_state"]["world_size"] = -1
+    damaged = StatefulDataLoader(ShardedStreamingDataset(urls, seed=1), **kw)
+    damaged.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"state\['world_size'\] must be in \[1, inf\)"):
+        list(damaged)
