@@ -103,6 +103,10 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--max-bytes", type=int, default=3_000_000_000)
     convert.add_argument("--task-index", type=int, default=None, help="this task (Slurm array)")
     convert.add_argument("--num-tasks", type=int, default=None, help="tasks splitting the work")
+    convert.add_argument(
+        "--follow-symlinks", action="store_true",
+        help="read the files symbolic links in the folder point to (default: skip the links)",
+    )  # fmt: skip
     convert.set_defaults(run=_convert)
     _cache_parser(commands, common)
     return parser
@@ -160,8 +164,9 @@ def _convert(args: argparse.Namespace) -> ShardIndex:
         count = functools.partial(count_parquet_samples, urls, args.storage_options)
     else:
         where = (args.source, args.storage_options, args.pattern)
-        read = functools.partial(directory_samples, *where)
-        count = functools.partial(count_directory_samples, *where)
+        follow = {"follow_symlinks": args.follow_symlinks}
+        read = functools.partial(directory_samples, *where, **follow)
+        count = functools.partial(count_directory_samples, *where, **follow)
     write = functools.partial(
         write_shards, pattern=args.pattern, max_count=args.max_count, max_bytes=args.max_bytes,
         storage_options=args.storage_options,

@@ -15,15 +15,16 @@ sample, so the sidecar of 10,000 shards loads in milliseconds and is decoded per
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import itertools
 import json
 import posixpath
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -36,8 +37,15 @@ from fsspec.implementations.local import LocalFileSystem
 from tqdm.auto import tqdm
 
 from nnh_data.checks import check_choice
-from nnh_data.sources import FORMATS, detect_format, listed_sources, shard_filesystem
-from nnh_data.tar_format import TarFormatError, parse_samples
+from nnh_data.sources import (
+    FORMATS,
+    content_format,
+    detect_format,
+    listed_sources,
+    shard_filesystem,
+)
+from nnh_data.tar_format import BLOCK, TarFormatError, parse_samples
+from nnh_data.tar_salvage import AFTER_END, data_after_end, salvage_tar
 from nnh_data.topology import dist_info
 
 __all__ = [
@@ -46,6 +54,7 @@ __all__ = [
     "StaleIndexError",
     "build_shard_index",
     "row_group_rows",
+    "salvage_shard",
     "scan_shard",
     "ShardIndex",
     "ShardInfo",
@@ -77,8 +86,11 @@ class ShardInfo:
     ``seek`` is the compact, JSON-safe form of :attr:`offsets` (see :func:`encode_offsets`);
     build a ShardInfo from offsets with :meth:`from_offsets`. ``size`` is the file size in
     bytes when indexed and ``version`` what identified its content then (:func:`file_version`);
-    ``nullable`` names the Parquet columns that hold nulls (or lack statistics to tell);
-    ``error`` is set (and ``num_samples`` is 0) for a shard skipped as unreadable.
+    ``nullable`` names the Parquet columns that hold nulls (or lack statistics to tell).
+    A shard indexed with ``on_error="skip"`` despite damage has ``error`` set (what was wrong),
+    ``lost`` samples that could not be indexed (a lower bound unless ``lost_exact``) and, for
+    tar, ``gaps``: byte spans inside its samples' pieces that hold no readable sample, cut out
+    by readers (:mod:`nnh_data.tar_salvage`).
     """
 
     url: str
@@ -89,6 +101,9 @@ class ShardInfo:
     error: str | None = None
     version: str = ""
     nullable: tuple[str, ...] = ()
+    lost: int = 0
+    lost_exact: bool = True
+    gaps: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -108,6 +123,14 @@ class ShardInfo:
         num_samples = len(offsets) - 1 if format == "tar" else int(offsets[-1])
         seek = encode_offsets(offsets, format)
         return cls(url, format, num_samples, seek, size, None, version, tuple(nullable))
+
+    @property
+    def loss(self) -> str:
+        """The samples lost at indexing, in words: "1 sample", "at least 3 samples", "an
+        unknown number of samples"."""
+        if self.lost_exact:
+            return f"{self.lost} sample{'' if self.lost == 1 else 's'}"
+        return f"at least {self.lost} samples" if self.lost else "an unknown number of samples"
 
     @cached_property
     def offsets(self) -> np.ndarray:
@@ -197,25 +220,30 @@ def cached_infos(
             infos.append(None)
             continue
         count, seek, nullable = entry["num_samples"], entry["seek"], entry.get("nullable", ())
-        infos.append(ShardInfo(url, format, count, seek, size, None, version, tuple(nullable)))
+        info = ShardInfo(url, format, count, seek, size, None, version, tuple(nullable))
+        if "error" in entry:  # indexed with on_error="skip" despite damage
+            gaps = tuple(tuple(gap) for gap in entry.get("gaps", ()))
+            info = replace(info, error=entry["error"], lost=entry["lost"],
+                           lost_exact=entry["lost_exact"], gaps=gaps)  # fmt: skip
+        infos.append(info)
     return infos
 
 
 def updated_entries(
     entries: dict[str, Any], infos: Sequence[ShardInfo], index_path: str
 ) -> dict[str, Any]:
-    """``entries`` plus those of ``infos`` (unreadable shards are left out)."""
+    """``entries`` plus those of ``infos`` (a damaged shard's with what was lost, so that a
+    later open reports the same)."""
     merged = dict(entries)
     for info in infos:
-        if info.error is None:
-            merged[_entry_key(info.url, index_path)] = {
-                "format": info.format,
-                "size": info.size,
-                "version": info.version,
-                "num_samples": info.num_samples,
-                "seek": info.seek,
-                **({"nullable": list(info.nullable)} if info.nullable else {}),
-            }
+        entry = {"format": info.format, "size": info.size, "version": info.version,
+                 "num_samples": info.num_samples, "seek": info.seek}  # fmt: skip
+        if info.nullable:
+            entry["nullable"] = list(info.nullable)
+        if info.error is not None:
+            entry.update(error=info.error, lost=info.lost, lost_exact=info.lost_exact)
+            entry.update({"gaps": [list(gap) for gap in info.gaps]} if info.gaps else {})
+        merged[_entry_key(info.url, index_path)] = entry
     return merged
 
 
@@ -347,9 +375,16 @@ def build_shard_index(
 
     Tar counts come from a header-only scan, Parquet counts from footers. The sidecar
     (``nnh-index.json`` next to the first shard unless ``index_path`` is given) is reused for
-    every shard whose size is unchanged and rewritten when something was scanned.
-    ``on_error="skip"`` keeps unreadable shards with 0 samples and their ``error`` set
-    (with a warning) instead of raising :class:`ShardError`.
+    every shard whose size and version are unchanged and rewritten when something was scanned;
+    creating it in a folder that had none says so once (a warning). Where the shards' folder
+    is read-only or shared with others, pass ``index_path`` (any writable URL, e.g. a local
+    file): a sidecar that cannot be saved is only kept in memory, with a warning, and every
+    open then scans again.
+
+    A damaged shard raises :class:`ShardError`; with ``on_error="skip"`` what can be read of it
+    is indexed instead (tar: the samples before and after each damaged member, see
+    :mod:`nnh_data.tar_salvage`; Parquet: nothing when its footer is unreadable), its ``error``
+    and ``lost`` samples recorded in the sidecar, and a warning says how many were lost.
 
     >>> index = build_shard_index("data/train-{000000..000063}.tar")  # doctest: +SKIP
     >>> index.total_samples, index.offsets()[:3]  # doctest: +SKIP
@@ -361,13 +396,15 @@ def build_shard_index(
     formats = [detect_format(url, format) for url in urls]
     fs, paths = shard_filesystem(urls, storage_options)
     stats = file_stats(fs, paths, [entry for _, entry in found])
+    beside = index_path is None  # the sidecar goes into the shards' folder
     index_path = index_path or default_index_path(urls)
     entries = {} if rebuild else load_entries(index_path, storage_options)
     infos = cached_infos(urls, formats, stats, entries, index_path)
-    todo = [i for i, info in enumerate(infos) if info is None]
+    # a damaged shard from the sidecar is scanned again when it must raise
+    todo = [i for i, info in enumerate(infos) if info is None or info.error and on_error == "raise"]
 
     def scan(i: int) -> ShardInfo:
-        return _scan_or_skip(fs, paths[i], urls[i], formats[i], stats[i], on_error)
+        return _scan_or_salvage(fs, paths[i], urls[i], formats[i], stats[i], on_error)
 
     # Threads overlap remote requests; local scans are CPU-bound and run faster without them.
     threads = 1 if isinstance(fs, LocalFileSystem) else _SCAN_THREADS
@@ -377,19 +414,43 @@ def build_shard_index(
         for i, info in zip(todo, pool.map(scan, todo)):
             infos[i] = info
             bar.update()
+    for info in infos:
+        if info.error is not None:
+            warnings.warn(f"{info.url}: {info.loss} lost, {info.num_samples} indexed "
+                          f"({info.error})", stacklevel=2)  # fmt: skip
     if todo:
-        _save_or_warn(index_path, updated_entries(entries, infos, index_path), storage_options)
+        entries = updated_entries(entries, infos, index_path)
+        _save_or_warn(index_path, entries, storage_options, note=beside)
     return ShardIndex(tuple(infos), index_path)
 
 
-def _save_or_warn(index_path: str, entries: dict, storage_options: dict | None) -> None:
+def _save_or_warn(
+    index_path: str, entries: dict, storage_options: dict | None, *, note: bool
+) -> None:
+    """Save the sidecar; with ``note``, say so when it is new; warn (keeping it in memory)
+    when it cannot be saved."""
+    fs, path = url_to_fs(index_path, **(storage_options or {}))
     try:
+        new = note and not fs.exists(path)
         save_entries(index_path, entries, storage_options)
     except OSError as exc:  # a read-only dataset is still readable, only slower to open
-        warnings.warn(f"could not save the shard index to {index_path!r}: {exc}", stacklevel=3)
+        warnings.warn(
+            f"could not save the shard index to {index_path!r} ({exc}); it is kept in memory "
+            "for this process only, so every open scans the shards again: pass index_path= a "
+            "writable file (e.g. on local disk) to keep it",
+            stacklevel=3,
+        )
+        return
+    if new:
+        warnings.warn(
+            f"wrote the shard index {index_path!r} beside the shards (their sample counts "
+            "and seek positions, reused while they are unchanged); pass index_path= to keep "
+            "it elsewhere, e.g. for a read-only or shared folder",
+            stacklevel=3,
+        )
 
 
-def _scan_or_skip(
+def _scan_or_salvage(
     fs: AbstractFileSystem,
     path: str,
     url: str,
@@ -402,8 +463,7 @@ def _scan_or_skip(
     except ShardError as exc:
         if on_error == "raise":
             raise
-        warnings.warn(f"skipping unreadable shard: {exc}", stacklevel=4)
-        return ShardInfo(url, format, 0, size=stat[0], error=str(exc), version=stat[1])
+        return salvage_shard(fs, path, url, format, stat, exc)
 
 
 def scan_shard(
@@ -416,15 +476,67 @@ def scan_shard(
         try:
             metadata = pq.read_metadata(path, filesystem=fs)
         except (pa.ArrowException, OSError) as exc:
-            raise ShardError(url, "footer", f"unreadable Parquet file ({exc})") from exc
+            what = _content(fs, path, "Parquet") or f"unreadable Parquet file ({exc})"
+            raise ShardError(url, "footer", what) from exc
         offsets = [0, *itertools.accumulate(row_group_rows(metadata))]
         nullable = _nullable_columns(metadata)
         return ShardInfo.from_offsets(url, format, offsets, size, version, nullable)
     try:
         offsets = _scan_tar(fs, path, size)
     except TarFormatError as exc:
+        if (what := _content(fs, path, "tar")) is not None:  # gzip, Parquet, ... not a tar
+            raise ShardError(url, "byte 0", what) from exc
         raise ShardError(url, f"byte {exc.offset}", exc.reason) from exc
     return ShardInfo.from_offsets(url, format, offsets, size, version)
+
+
+def salvage_shard(
+    fs: AbstractFileSystem,
+    path: str,
+    url: str,
+    format: str,
+    stat: tuple[int, str],
+    error: ShardError,
+) -> ShardInfo:
+    """What can be indexed of a shard that :func:`scan_shard` found damaged (``error``): the
+    readable tar samples (:func:`~nnh_data.tar_salvage.salvage_tar`); nothing of a Parquet
+    file without a readable footer or of a file that is not a tar."""
+    size, version = stat
+    what = f"{error.reason} (at {error.position})"
+    empty = ShardInfo(url, format, 0, "", size, what, version, lost_exact=False)
+    if format == "parquet" or content_format(fs.cat_file(path, start=0, end=BLOCK)) not in (
+        None, "a tar file"
+    ):  # fmt: skip
+        return empty
+    found = salvage_tar(_reader(fs, path), size)
+    info = ShardInfo.from_offsets(url, format, found.offsets, size, version)
+    reasons = found.reasons or [what]
+    more = f" and {len(reasons) - 1} more damaged spans" if len(reasons) > 1 else ""
+    return replace(info, error=reasons[0] + more, lost=found.lost,
+                   lost_exact=found.exact, gaps=tuple(found.gaps))  # fmt: skip
+
+
+def _reader(fs: AbstractFileSystem, path: str) -> Callable[[int, int], bytes]:
+    """``read(start, stop)``: those bytes of the file."""
+    return functools.partial(_read, fs, path)
+
+
+def _read(fs: AbstractFileSystem, path: str, start: int, stop: int) -> bytes:
+    return fs.cat_file(path, start=start, end=stop)
+
+
+def _content(fs: AbstractFileSystem, path: str, expected: str) -> str | None:
+    """What a file that failed to read as ``expected`` is, by its first bytes, when that is
+    not ``expected``: compressed, Parquet, tar, zip (or, for tar, no tar header at all); None
+    when they look right."""
+    what = content_format(fs.cat_file(path, start=0, end=BLOCK))
+    if what == f"a {expected} file":
+        return None
+    if what is None:
+        return "not a tar file: its first block is no tar header" if expected == "tar" else None
+    if what in ("a tar file", "a Parquet file"):
+        return f"{what}, not {expected}: pass format={what.split()[1].lower()!r}"
+    return what if "not supported" in what else f"{what}, not {expected}"
 
 
 def row_group_rows(metadata: pq.FileMetaData) -> list[int]:
@@ -453,11 +565,19 @@ def _scan_tar(fs: AbstractFileSystem, path: str, size: int) -> tuple[int, ...]:
     block = _SCAN_BLOCK
     while pos < size:
         buf = fs.cat_file(path, start=pos, end=min(pos + block, size))
-        parsed = parse_samples(buf, 0, len(buf), need_data=False, key=key)
+        try:
+            parsed = parse_samples(buf, 0, len(buf), need_data=False, key=key)
+        except TarFormatError as exc:
+            raise TarFormatError(pos + exc.offset, exc.reason) from None
         starts.extend(pos + start for start in parsed.starts)
         key = parsed.key
         if parsed.end:
-            return (*starts, pos + parsed.stop)
+            end = pos + parsed.stop
+            tail = buf[parsed.stop :]  # usually the whole tail: zeros up to a 10 KiB record
+            read = _reader(fs, path)
+            if tail.count(0) != len(tail) or data_after_end(read, pos + len(buf), size):
+                raise TarFormatError(end, AFTER_END.format(end))
+            return (*starts, end)
         if pos + parsed.stop > size or pos + len(buf) == size and parsed.stop < len(buf):
             raise TarFormatError(size, "truncated tar (unexpected end of file)")
         block = block * 2 if parsed.stop == 0 else _SCAN_BLOCK

@@ -172,11 +172,12 @@ def decode_shard_range(
 
 def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> list[dict]:
     base = int(info.offsets[start])
-    buf = _checked_end(info, buf, start, stop)
+    buf, offsets = _tar_payload(info, buf, start, stop)
     try:
         parsed = parse_samples(buf, 0, len(buf))
     except TarFormatError as exc:
-        raise ShardError(info.url, _tar_position(info, base + exc.offset), exc.reason) from exc
+        position = _position(info, start, offsets, exc.offset)
+        raise ShardError(info.url, position, exc.reason) from exc
     if parsed.stop != len(buf) or len(parsed.samples) != stop - start:
         found = f"{len(parsed.samples)} samples ending at byte {base + parsed.stop}"
         expected = f"{stop - start} ending at byte {base + len(buf)}"
@@ -186,16 +187,41 @@ def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> list[dict
     return parsed.samples
 
 
-def _checked_end(info: ShardInfo, buf: bytes, start: int, stop: int) -> bytes:
-    """``buf`` without the block read after the shard's last sample, which must be the
-    end-of-archive marker (:func:`fetch_shard_range`)."""
-    size = int(info.offsets[stop] - info.offsets[start])
-    if len(buf) == size:
-        return buf
-    if buf[size:] != ZERO_BLOCK:
+def _tar_payload(info: ShardInfo, buf: bytes, start: int, stop: int) -> tuple[bytes, np.ndarray]:
+    """The bytes of samples ``[start, stop)`` as read (:meth:`ShardReader.fetch`) without the
+    index's gaps (damaged spans of a salvaged shard) and without the block read after the
+    shard's last sample, which must be the end-of-archive marker; and the samples' offsets,
+    moved by the gap bytes before each (so ``offsets - offsets[0]`` are their starts in it)."""
+    offsets = info.offsets[start : stop + 1]
+    if info.gaps:
+        buf, offsets = _without_gaps(info, buf, offsets)
+    size = int(offsets[-1] - offsets[0])
+    if len(buf) != size and buf[size:] != ZERO_BLOCK:
         position = _tar_position(info, int(info.offsets[stop]))
         raise StaleIndexError(info.url, position, "more data after the last indexed sample")
-    return buf[:size]
+    return buf[:size], offsets
+
+
+def _without_gaps(info: ShardInfo, buf: bytes, offsets: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """``buf`` (read from ``offsets[0]``) with the gaps inside it cut out, and ``offsets``
+    moved by the gap bytes before each."""
+    low, high = int(offsets[0]), int(offsets[-1])
+    inside = [(a, b) for a, b in info.gaps if low <= a and b <= high]
+    pieces, pos = [], low
+    moved = offsets.copy()
+    for a, b in inside:
+        pieces.append(buf[pos - low : a - low])
+        moved[offsets >= b] -= b - a
+        pos = b
+    pieces.append(buf[pos - low :])
+    return b"".join(pieces), moved
+
+
+def _position(info: ShardInfo, start: int, offsets: np.ndarray, offset: int) -> str:
+    """Where byte ``offset`` of a payload of :func:`_tar_payload` lies in the shard."""
+    starts = offsets - offsets[0]
+    i = max(0, int(np.searchsorted(starts, offset, "right")) - 1)
+    return _tar_position(info, int(info.offsets[start + i]) + offset - int(starts[i]))
 
 
 def _warn_if_split(info: ShardInfo, samples: list[dict]) -> None:
@@ -216,18 +242,19 @@ def decode_tar_each(info: ShardInfo, buf: bytes, start: int, stop: int) -> list[
     """Samples ``[start, stop)`` from a tar payload one at a time: each sample, or the
     :class:`ShardError` that makes it unreadable. Where a block holds a bad header, this keeps
     every other sample of it (the index knows where each one starts)."""
-    base = int(info.offsets[start])
-    buf = _checked_end(info, buf, start, stop)
+    buf, offsets = _tar_payload(info, buf, start, stop)
+    starts = offsets - offsets[0]
     out: list[dict | ShardError] = []
-    for i in range(start, stop):
-        low, high = int(info.offsets[i]) - base, int(info.offsets[i + 1]) - base
+    for i in range(stop - start):
+        low, high = int(starts[i]), int(starts[i + 1])
         try:
             parsed = parse_samples(buf, low, high)
             if parsed.stop != high or len(parsed.samples) != 1:
                 raise TarFormatError(parsed.stop, "the sample does not end where indexed")
             out.append(parsed.samples[0])
         except TarFormatError as exc:
-            out.append(ShardError(info.url, _tar_position(info, base + exc.offset), exc.reason))
+            position = _position(info, start, offsets, exc.offset)
+            out.append(ShardError(info.url, position, exc.reason))
     return out
 
 

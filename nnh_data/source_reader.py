@@ -91,7 +91,7 @@ class SourceReader:
                                 prefetch=self.cache_prefetch, num_workers=num_workers)  # fmt: skip
             blocks, fetch = cached.blocks(), cached.fetch
         fetched = read_ahead(functools.partial(self._fetch, fetch), blocks, self.readahead)
-        decoded = ((b[3], self._rows_of(b, payload, rows, cached)) for b, payload in fetched)
+        decoded = ((b[3], self._rows_of(b, payload, rows, fetch, cached)) for b, payload in fetched)
         window = self.draws.window
         for cycle, positions in runs:
             order = self.draws.order(cycle)
@@ -157,10 +157,16 @@ class SourceReader:
             return exc
 
     def _rows_of(
-        self, block: stages.Block, payload: object, rows: stages.Rows, cached: CachedPass | None
+        self,
+        block: stages.Block,
+        payload: object,
+        rows: stages.Rows,
+        fetch: Callable[..., Any],
+        cached: CachedPass | None,
     ) -> Any:
         """The rows of a block (unreadable samples as ``None`` rows), ``__shard__`` set; a
-        block read from a cached copy that fails to decode is read again from the remote."""
+        block read from a cached copy that fails to decode is read again from the remote;
+        what fails to decode as a whole is salvaged in smaller pieces (``fetch`` reads them)."""
         shard, start, stop, _ = block
         info = self.index.shards[shard]
         try:
@@ -172,6 +178,7 @@ class SourceReader:
                 out = decode_shard_columns(info, payload, start, stop)
         except ShardError as exc:
             if cached is not None and cached.copy_failed(info):
-                return self._rows_of(block, self._fetch(cached.fetch_remote, block), rows, None)
-            out = rows.from_samples(self.errors.salvaged(info, payload, start, stop, exc))
+                remote = cached.fetch_remote
+                return self._rows_of(block, self._fetch(remote, block), rows, remote, None)
+            out = self.errors.salvaged(info, payload, start, stop, exc, rows, fetch)
         return rows.label(out, "__shard__", info.url)

@@ -1,11 +1,16 @@
 """Shard sources: a list of URLs, a glob or a brace pattern, expanded to shard URLs.
 
 Any fsspec filesystem works (local paths, ``file://``, ``memory://``, ``s3://`` through s3fs);
-all shards of one source live on one filesystem, so it is resolved once.
+all shards of one source live on one filesystem, so it is resolved once. A brace pattern is
+expanded up to :data:`MAX_SHARDS` names and refused beyond (a typo such as ``{0..999999999}``
+would otherwise fill memory before anything is read). The format of a shard comes from its
+extension; where a file turns out not to be what it claims, :func:`content_format` tells from
+its first bytes what it is (gzip, bzip2, xz or zstd compressed, Parquet, tar) for the error.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +21,8 @@ from fsspec.utils import get_protocol
 
 __all__ = [
     "FORMATS",
+    "MAX_SHARDS",
+    "content_format",
     "detect_format",
     "expand_sources",
     "is_local",
@@ -29,6 +36,19 @@ FORMATS = ("tar", "parquet")
 _EXTENSIONS = {".tar": "tar", ".parquet": "parquet", ".pq": "parquet"}
 _COMPRESSED = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
 _GLOB_CHARS = frozenset("*?[")
+# the first bytes of what users mistake for tar shards, and the tool that unpacks them
+_MAGIC = (
+    (0, b"\x1f\x8b", "gzip-compressed", "gunzip"),
+    (0, b"BZh", "bzip2-compressed", "bunzip2"),
+    (0, b"\xfd7zXZ\x00", "xz-compressed", "unxz"),
+    (0, b"(\xb5/\xfd", "zstd-compressed", "unzstd"),
+    (0, b"PK\x03\x04", "a zip archive", None),
+    (0, b"PAR1", "a Parquet file", None),
+    (257, b"ustar", "a tar file", None),
+)
+_SNIFF_BYTES = 264
+MAX_SHARDS = 1_000_000
+"""The most shard names a source's brace patterns may expand to (more is refused)."""
 
 
 def expand_sources(
@@ -55,7 +75,7 @@ def listed_sources(
     patterns = [source] if isinstance(source, str) else list(source)
     found: list[tuple[str, dict[str, Any] | None]] = []
     for pattern in patterns:
-        for url in braceexpand.braceexpand(pattern):
+        for url in _expanded(pattern):
             if _GLOB_CHARS & set(url):
                 found.extend(_glob(url, storage_options))
             else:
@@ -63,6 +83,17 @@ def listed_sources(
     if not found:
         raise ValueError(f"source must name at least one shard, got {source!r}")
     return found
+
+
+def _expanded(pattern: str) -> list[str]:
+    """The names of a brace pattern; ``ValueError`` above :data:`MAX_SHARDS` of them."""
+    names = list(itertools.islice(braceexpand.braceexpand(pattern), MAX_SHARDS + 1))
+    if len(names) > MAX_SHARDS:
+        raise ValueError(
+            f"source {pattern!r} expands to more than MAX_SHARDS={MAX_SHARDS:,} names; check "
+            "its braces (e.g. {000000..000063}), or pass the shard URLs or a glob"
+        )
+    return names
 
 
 def _glob(url: str, storage_options: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
@@ -84,7 +115,11 @@ def _folder_shards(
     if name.endswith((*_EXTENSIONS, *_COMPRESSED)):
         return []
     fs, path = url_to_fs(url, **(storage_options or {}))
-    if not fs.isdir(path):
+    try:
+        kind = fs.info(path)["type"]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no such file or folder: {url!r}") from None
+    if kind != "directory":
         return []
     base = url.rstrip("/")
     items = sorted(fs.ls(path, detail=True), key=lambda item: item["name"])
@@ -111,7 +146,7 @@ def detect_format(url: str, format: str | None = None) -> str:
     if name.endswith(_COMPRESSED):
         raise ValueError(
             f"compressed tar is not supported: {url!r}; decompress it (e.g. gunzip) and read the "
-            ".tar: nnh seeks to samples by byte offset, which a compressed stream cannot do"
+            f".tar: {_NO_SEEK}"
         )
     for extension, found in _EXTENSIONS.items():
         if name.endswith(extension):
@@ -120,6 +155,26 @@ def detect_format(url: str, format: str | None = None) -> str:
         f"cannot tell the format of {url!r} from its extension (.tar, .parquet, .pq); "
         "pass format='tar' or format='parquet'"
     )
+
+
+_NO_SEEK = "nnh seeks to samples by byte offset, which a compressed stream cannot do"
+
+
+def content_format(head: bytes) -> str | None:
+    """What the first bytes of a file (at least 264 for tar) say it is, when it is something
+    a reader for another format would misread: "gzip-compressed, not supported (...)",
+    "a Parquet file", "a tar file"...; None when they say nothing.
+
+    Example:
+        >>> content_format(b"\\x1f\\x8b\\x08\\x00")[:32]
+        'gzip-compressed, not supported ('
+    """
+    for offset, magic, what, tool in _MAGIC:
+        if head[offset : offset + len(magic)] == magic:
+            if tool is None:
+                return what
+            return f"{what}, not supported ({_NO_SEEK}): decompress it with {tool}"
+    return None
 
 
 def shard_filesystem(

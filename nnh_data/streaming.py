@@ -92,9 +92,10 @@ class ShardedStreamingDataset(IterableDataset):
     shards are read through, shared by every process of the node (one download per shard per
     node, evicted by the known future order; :mod:`nnh_data.shard_cache`); ``cache_limit``
     bounds it (bytes, or text such as "50GB"), ``cache_prefetch`` is the whole shards each
-    worker fetches ahead. With ``on_error="skip"`` unreadable shards and
-    samples are left out, counted in ``error_counts`` and warned about once per shard; the rank
-    then yields fewer than ``len()`` samples. With DataLoader workers, take and restore the
+    worker fetches ahead. With ``on_error="skip"`` unreadable samples are left out
+    (a damaged shard keeps the samples that can be read, :func:`build_shard_index`), counted
+    in ``error_counts`` and warned about once per shard; the rank then yields fewer than
+    ``len()`` samples. With DataLoader workers, take and restore the
     state through torchdata's ``StatefulDataLoader`` (:func:`streaming_loader`).
 
     With ``batch_size`` the dataset yields batches instead of samples, for
@@ -168,7 +169,8 @@ class ShardedStreamingDataset(IterableDataset):
         self._shared = torch.zeros(2 + len(self.index.shards), dtype=torch.int64).share_memory_()
         self._shared[0] = epoch
         urls = [info.url for info in self.index.shards]
-        self._errors = ErrorPolicy(on_error, urls, self._shared[2:])
+        lost = [None if info.error is None else info.lost for info in self.index.shards]
+        self._errors = ErrorPolicy(on_error, urls, self._shared[2:], lost)
         self._readers = _source_readers(
             self.sources, indexes, self._counts, seed=self.seed, window=self.window,
             mixed=self._mixed, errors=self._errors, storage_options=storage_options,
@@ -201,8 +203,11 @@ class ShardedStreamingDataset(IterableDataset):
 
     @property
     def error_counts(self) -> dict[str, int]:
-        """Samples skipped as unreadable per shard URL, by this process and its DataLoader
-        workers (``on_error="skip"``)."""
+        """Samples lost as unreadable per shard URL (``on_error="skip"``): those the index
+        could not read of a damaged shard (counted once; every damaged shard is listed, and its
+        count is a lower bound, maybe 0, where ``index.shards[i].loss`` says "at least" or "an
+        unknown number"), plus those skipped while reading, by this process and its
+        DataLoader workers."""
         return self._errors.counts()
 
     def set_epoch(self, epoch: int) -> None:

@@ -32,10 +32,13 @@ from nnh_data.batching import rows_of
 __all__ = [
     "BLOCK",
     "ZERO_BLOCK",
+    "Header",
     "Parsed",
     "parse_plain",
     "TarFormatError",
     "check_checksums",
+    "header_at",
+    "header_blocks",
     "parse_samples",
     "parse_samples_loop",
     "split_name",
@@ -221,7 +224,86 @@ def _parse(
             raise TarFormatError(data - BLOCK, f"unsupported tar member type {kind!r}")
         start = pos
         long_path = long_size = None
-    return found._replace(key=current, stop=pos)
+    # ``start``, not ``pos``: extended headers read just before ``limit`` belong to the member
+    # after it, so the caller reads on from them
+    return found._replace(key=current, stop=start)
+
+
+class Header(NamedTuple):
+    """A member's headers as :func:`header_at` reads them, trusting nothing."""
+
+    start: int  # the member's first block (its extended headers included)
+    head: int  # its own header block, after any extended headers
+    path: str | None  # its path (a PAX or GNU long name applied); None when there is no block
+    size: int | None  # its data size; None when the size field cannot be read
+    kind: bytes  # its typeflag
+    magic: bool  # the header block carries the ustar magic
+    valid: bool  # ... and a right checksum
+
+    @property
+    def key(self) -> str | None:
+        """The key of the sample the member belongs to, as :func:`parse_samples` groups it:
+        "" for a member of no sample (a directory, a link, metadata), None when unknown."""
+        if not self.path or self.kind in (b"x", b"L"):
+            return None
+        if self.kind not in _REGULAR or _META.match(self.path):
+            return ""
+        return split_name(self.path)[0] or ""
+
+
+def header_at(buf: bytes, pos: int) -> Header:
+    """The member whose headers start at ``pos`` in ``buf``, read leniently, to describe or
+    salvage a damaged archive: valid extended headers (PAX 'x', GNU 'L') are applied and stepped
+    over; the member's own header is read even when its checksum is wrong.
+
+    >>> header_at(tar_bytes, 0).path  # doctest: +SKIP
+    '000000.cls'
+    """
+    start, long_path, long_size = pos, None, None
+    while pos + BLOCK <= len(buf):
+        name, size_field, kind = _HEADER.unpack_from(buf, pos)
+        magic = buf[pos + 257 : pos + 262] == b"ustar"
+        valid = magic and not _bad_checksums(_blocks(buf[pos : pos + BLOCK])).size
+        try:
+            size: int | None = int(size_field.rstrip(b"\0"), 8)
+        except ValueError:
+            size = _lenient_number(size_field)
+        data = pos + BLOCK
+        if valid and kind in (b"x", b"L") and size is not None and data + size <= len(buf):
+            records = buf[data : data + size]
+            try:
+                if kind == b"L":
+                    long_path = _text(records.rstrip(b"\0"))
+                else:
+                    long_path, long_size = _pax(records, long_path, long_size)
+            except ValueError:
+                pass  # unreadable records: the member's own header still names it
+            pos = data + ((size + 511) & -512)
+            continue
+        path = _text(name.split(b"\0", 1)[0])
+        if buf[pos + 345] and buf[pos + 257 : pos + 263] == _USTAR:  # a POSIX prefix
+            path = _ustar_prefix(buf, pos) + path
+        size = size if long_size is None else long_size
+        return Header(start, pos, long_path or path, size, kind, magic, valid)
+    return Header(start, pos, None, None, b"", False, False)
+
+
+def _lenient_number(field: bytes) -> int | None:
+    try:
+        return _number(field)
+    except ValueError:
+        return None
+
+
+def header_blocks(buf: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """The numbers of the 512-byte blocks of ``buf`` that carry the ustar magic, and a mask of
+    those with a right checksum: real headers, where reading can resume after damage."""
+    blocks = _blocks(buf)
+    magic = blocks[:, 256:264].view("<u8")[:, 0]
+    heads = np.flatnonzero((magic & _MAGIC_BITS) == _MAGIC)
+    valid = np.ones(len(heads), bool)
+    valid[_bad_checksums(blocks.take(heads, axis=0))] = False
+    return heads, valid
 
 
 def parse_plain(

@@ -5,11 +5,18 @@ size needs one), so readers parse half the bytes of ``webdataset.ShardWriter``'s
 output (a PAX header per member). The layout is webdataset's: ``key.field`` members, fields in
 sorted order, samples one after another. Each shard is written under a temporary name and
 renamed when complete; the index sidecar is written at the end.
+
+Keys become member paths, and tar tools extract members to those paths, so a key that would
+leave the folder it is extracted into (an absolute path, a ``..`` part) or that a tar name cannot
+hold (a NUL) is refused, never rewritten: a renamed key would silently be another sample's id.
+Folders given to convert are read without following symbolic links unless asked
+(``follow_symlinks=True``): a link inside the folder may point anywhere on the machine.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import re
 import tarfile
@@ -21,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from webdataset.writer import make_encoder
 
 from nnh_data.checks import check_int
@@ -122,6 +130,7 @@ def _encode_sample(sample: dict, previous_key: str | None) -> tuple[str, bytes]:
     key = sample.get("__key__")
     if not isinstance(key, str) or not key:
         raise ValueError(f"each sample needs a non-empty str __key__, got {key!r}")
+    _check_key(key)
     if key == previous_key:
         raise ValueError(f"consecutive samples share __key__ {key!r}: readers would merge them")
     parts = []
@@ -136,6 +145,18 @@ def _encode_sample(sample: dict, previous_key: str | None) -> tuple[str, bytes]:
     if not parts:
         raise ValueError(f"sample {key!r} has no field to write: a tar holds only its members")
     return key, b"".join(parts)
+
+
+def _check_key(key: str) -> None:
+    """Refuse a key that, as a member path, would be written outside the folder a tar tool
+    extracts into, or that a tar name cannot hold (see the module docstring)."""
+    parts = key.split("/")
+    if key.startswith("/") or ".." in parts or "\0" in key:
+        raise ValueError(
+            f"sample key {key!r} is not a safe relative path (it starts with '/', has a '..' "
+            "part or a NUL): tar tools would extract it outside their folder, so it is refused "
+            "rather than renamed; give the sample a relative key"
+        )
 
 
 def _member(name: str, value: Any) -> list[bytes]:
@@ -189,6 +210,8 @@ def directory_samples(
     exclude: str | None = None,
     start: int = 0,
     stop: int | None = None,
+    *,
+    follow_symlinks: bool = False,
 ) -> Iterator[dict]:
     """Samples from a folder of files, grouped by key like a tar shard: ``a/1.jpg`` and
     ``a/1.cls`` become ``{"__key__": "a/1", "jpg": ..., "cls": ...}``, keys in sorted order;
@@ -196,28 +219,33 @@ def directory_samples(
 
     Index sidecars, temporary files and files matching ``exclude`` (the output shard pattern
     of a convert, ``%``-style) are never inputs, so a convert that writes inside its source
-    can run again."""
-    fs, grouped = _grouped_files(url, storage_options, exclude)
+    can run again. Symbolic links (to files or folders) are skipped with a warning unless
+    ``follow_symlinks``: a link may lead out of the folder, to files nobody meant to pack."""
+    fs, grouped = _grouped_files(url, storage_options, exclude, follow_symlinks)
     for key in sorted(grouped)[start:stop]:
         fields = grouped[key]
         yield {"__key__": key, **{field: fs.cat_file(path) for field, path in fields.items()}}
 
 
 def count_directory_samples(
-    url: str, storage_options: dict[str, Any] | None = None, exclude: str | None = None
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    exclude: str | None = None,
+    *,
+    follow_symlinks: bool = False,
 ) -> int:
     """How many samples :func:`directory_samples` yields (from one listing, no reads)."""
-    return len(_grouped_files(url, storage_options, exclude)[1])
+    return len(_grouped_files(url, storage_options, exclude, follow_symlinks)[1])
 
 
 def _grouped_files(
-    url: str, storage_options: dict[str, Any] | None, exclude: str | None
+    url: str, storage_options: dict[str, Any] | None, exclude: str | None, follow: bool
 ) -> tuple[AbstractFileSystem, dict[str, dict[str, str]]]:
     fs, root = url_to_fs(url, **(storage_options or {}))
     root = root.rstrip("/")
     skipped = _output_pattern(fs, exclude)
     grouped: dict[str, dict[str, str]] = {}
-    for path in sorted(fs.find(root)):
+    for path in _files(fs, root, url, follow):
         name = path.rsplit("/", 1)[-1]
         if name == INDEX_NAME or name.startswith(".") or skipped and skipped.fullmatch(path):
             continue
@@ -227,6 +255,29 @@ def _grouped_files(
     if not grouped:
         raise FileNotFoundError(f"no files named like key.field under {url!r}")
     return fs, grouped
+
+
+def _files(fs: AbstractFileSystem, root: str, url: str, follow: bool) -> list[str]:
+    """The files under ``root``, sorted; on a local disk symbolic links are skipped (with a
+    warning) unless ``follow``."""
+    if not isinstance(fs, LocalFileSystem):
+        return sorted(fs.find(root))
+    files, links = [], []
+    for folder, dirs, names in os.walk(root, followlinks=follow):
+        for name in [*dirs, *names]:
+            path = posixpath.join(folder, name)
+            if not follow and os.path.islink(path):
+                links.append(path)
+            elif name in names:
+                files.append(path)
+    if links:
+        warnings.warn(
+            f"skipped {len(links)} symbolic link(s) in {url!r}, e.g. {links[0]!r}: a link may "
+            "lead out of the folder; pass follow_symlinks=True (nnh-data convert "
+            "--follow-symlinks) to read what they point to",
+            stacklevel=4,
+        )
+    return sorted(files)
 
 
 def _output_pattern(fs: AbstractFileSystem, pattern: str | None) -> re.Pattern | None:

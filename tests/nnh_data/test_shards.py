@@ -189,7 +189,10 @@ def test_unreadable_parquet_and_skip(parquet_shards, tar_shards):
         warnings.simplefilter("always")
         index = build_shard_index(paths, on_error="skip")
     assert [i.num_samples for i in index.shards] == [3, 0]
-    assert index.shards[1].error and len(caught_warnings) == 1
+    assert index.shards[1].error and index.shards[1].loss == "an unknown number of samples"
+    lost = [str(w.message) for w in caught_warnings if "lost" in str(w.message)]
+    assert lost == [f"{paths[1]}: an unknown number of samples lost, 0 indexed "
+                    f"({index.shards[1].error})"]  # fmt: skip
 
 
 def test_shard_error_survives_pickling_and_one_argument_construction():
