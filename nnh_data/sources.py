@@ -10,7 +10,6 @@ its first bytes what it is (gzip, bzip2, xz or zstd compressed, Parquet, tar) fo
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ __all__ = [
     "expand_sources",
     "is_local",
     "listed_sources",
+    "name_count",
     "shard_filesystem",
 ]
 
@@ -86,14 +86,62 @@ def listed_sources(
 
 
 def _expanded(pattern: str) -> list[str]:
-    """The names of a brace pattern; ``ValueError`` above :data:`MAX_SHARDS` of them."""
-    names = list(itertools.islice(braceexpand.braceexpand(pattern), MAX_SHARDS + 1))
-    if len(names) > MAX_SHARDS:
+    """The names of a brace pattern; ``ValueError`` above :data:`MAX_SHARDS` of them, counted
+    first (braceexpand holds every name of a brace group at once, so ``{0..999999999}`` would
+    fill memory before the first name)."""
+    count = name_count(pattern)
+    if count > MAX_SHARDS:
         raise ValueError(
-            f"source {pattern!r} expands to more than MAX_SHARDS={MAX_SHARDS:,} names; check "
-            "its braces (e.g. {000000..000063}), or pass the shard URLs or a glob"
+            f"source {pattern!r} expands to {count:,} names, more than MAX_SHARDS="
+            f"{MAX_SHARDS:,}; check its braces (e.g. {{000000..000063}}), or pass the shard "
+            "URLs or a glob"
         )
-    return names
+    return list(braceexpand.braceexpand(pattern))
+
+
+def name_count(pattern: str) -> int:
+    """How many names ``braceexpand`` makes of ``pattern`` (its grammar: ``{a..b}``,
+    ``{a..b..step}``, ``{x,y}``, nested; ``\\`` escapes), without making them.
+
+    Example:
+        >>> name_count("s3://b/{train,val}-{000000..000999}.tar")
+        2000
+    """
+    count, depth, start, pos = 1, 0, 0, 0
+    while pos < len(pattern):
+        char = pattern[pos]
+        if char == "\\":
+            pos += 1
+        elif char == "{":
+            depth, start = depth + 1, pos + 1 if depth == 0 else start
+        elif char == "}" and depth:
+            depth -= 1
+            if depth == 0:
+                count *= _group_count(pattern[start:pos])
+        pos += 1
+    if depth:
+        raise ValueError(f"source {pattern!r} has unbalanced braces")
+    return count
+
+
+def _group_count(expr: str) -> int:
+    """The names of one brace group's expression (a range, a list, or literal braces)."""
+    if match := braceexpand.int_range_re.match(expr):
+        first, last, step = int(match[1]), int(match[2]), int(match[3] or 1) or 1
+        return len(range(first, last + 1, step) if first < last else range(first, last - 1, -step))
+    if match := braceexpand.char_range_re.match(expr):
+        alphabet = braceexpand.alphabet
+        first, last = alphabet.index(match[1]), alphabet.index(match[2])
+        step = int(match[3] or 1) or 1
+        return len(alphabet[first : last + 1 : step] if first < last else
+                   alphabet[first : (last or -len(alphabet)) - 1 : -step])  # fmt: skip
+    parts, depth, start = [], 0, 0
+    for pos, char in enumerate(expr):
+        depth += (char == "{") - (char == "}")
+        if char == "," and depth == 0 and (pos == 0 or expr[pos - 1] != "\\"):
+            parts.append(expr[start:pos])
+            start = pos + 1
+    return sum(map(name_count, [*parts, expr[start:]])) if parts else name_count(expr)
 
 
 def _glob(url: str, storage_options: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:

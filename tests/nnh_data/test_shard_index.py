@@ -1,13 +1,20 @@
 from __future__ import annotations
 
+import errno
 import json
+import re
+import tarfile
+import warnings
 
+import fsspec
 import numpy as np
 import pytest
+from fsspec.implementations.local import LocalFileSystem
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nnh_data.shard_index import ShardInfo, decode_offsets, encode_offsets
+from nnh_data import ShardedStreamingDataset
+from nnh_data.shard_index import ShardError, ShardInfo, decode_offsets, encode_offsets
 from nnh_data.shards import build_shard_index
 
 
@@ -54,3 +61,84 @@ def test_missing_shard_is_named(tar_shards, tmp_path):
     paths = tar_shards([1])
     with pytest.raises(FileNotFoundError, match="gone.tar"):
         build_shard_index([*paths, str(tmp_path / "gone.tar")])
+
+
+class ReadOnlyFileSystem(LocalFileSystem):
+    """Local files behind ``readonly://``, refusing every write as a read-only mount does (the
+    tests run as root, whom file modes do not stop)."""
+
+    protocol = ("readonly",)
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(str(path).removeprefix("readonly://"))
+
+    def _refuse(self, *args, **kwargs):
+        raise PermissionError(errno.EROFS, "Read-only file system")
+
+    pipe_file = mv = makedirs = rm_file = touch = _refuse
+
+    def _open(self, path, mode="rb", **kwargs):
+        if "r" not in mode:
+            self._refuse()
+        return super()._open(path, mode, **kwargs)
+
+
+fsspec.register_implementation("readonly", ReadOnlyFileSystem, clobber=True)
+
+
+def test_a_read_only_folder_is_read_with_its_index_in_memory(tar_shards, tmp_path):
+    tar_shards([3, 4])
+    folder = f"readonly://{tmp_path}"
+    message = (
+        f"could not save the shard index to 'readonly://{tmp_path}/nnh-index.json' ([Errno 30] "
+        "Read-only file system); it is kept in memory for this process only, so every open "
+        "scans the shards again: pass index_path= a writable file (e.g. on local disk) to keep it"
+    )
+    with pytest.warns(UserWarning, match=re.escape(message)):
+        ds = ShardedStreamingDataset(folder, shuffle=False)
+    assert [s["__key__"] for s in ds] == [f"{g:08d}" for g in range(7)]
+    assert not (tmp_path / "nnh-index.json").exists()
+    elsewhere = tmp_path / "local" / "index.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # kept where it was asked to go: nothing to say
+        assert len(ShardedStreamingDataset(folder, index_path=str(elsewhere))) == 7
+    saved = json.loads(elsewhere.read_text())["shards"]
+    assert sorted(saved) == [f"{folder}/shard-00000{i}.tar" for i in range(2)]
+
+
+def test_writing_the_sidecar_beside_the_shards_is_said_once(tar_shards, tmp_path):
+    urls = tar_shards([2, 3])
+    with pytest.warns(UserWarning) as caught:
+        build_shard_index(urls)
+    assert [str(w.message) for w in caught] == [
+        f"wrote the shard index {str(tmp_path / 'nnh-index.json')!r} beside the shards (their "
+        "sample counts and seek positions, reused while they are unchanged); pass index_path= "
+        "to keep it elsewhere, e.g. for a read-only or shared folder"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_shard_index(urls)  # reused
+        build_shard_index(tar_shards([2, 3, 4]))  # a sidecar that exists is updated silently
+
+
+def test_a_damaged_shard_is_recorded_in_the_sidecar_and_reported_again(tar_shards, tmp_path):
+    urls = tar_shards([3, 2], pax=False)
+    with tarfile.open(urls[0]) as tar:
+        at = tar.getmembers()[2].offset  # the first header of sample 1
+    with open(urls[0], "r+b") as f:
+        f.seek(at + 148)
+        f.write(b"7777777\0")
+    message = f"{urls[0]}: 1 sample lost, 2 indexed (bad tar header checksum at byte {at})"
+    with pytest.warns(UserWarning, match=re.escape(message)):
+        index = build_shard_index(urls, on_error="skip")
+    info = index.shards[0]
+    assert (info.num_samples, info.lost, info.lost_exact, info.loss) == (2, 1, True, "1 sample")
+    assert info.gaps == ((at, at + 2048),)  # sample 1: two members of a header and a block
+    saved = json.loads((tmp_path / "nnh-index.json").read_text())["shards"]["shard-000000.tar"]
+    assert {k: saved[k] for k in ("error", "lost", "lost_exact", "gaps")} == {
+        "error": info.error, "lost": 1, "lost_exact": True, "gaps": [[at, at + 2048]]}
+    with pytest.warns(UserWarning, match=re.escape(message)):
+        assert build_shard_index(urls, on_error="skip") == index  # from the sidecar
+    with pytest.raises(ShardError, match=re.escape(f"bad tar header checksum (at byte {at})")):
+        build_shard_index(urls)  # on_error="raise" scans the damaged shard again

@@ -1,9 +1,23 @@
 from __future__ import annotations
 
+import bz2
+import gzip
+import lzma
+import tracemalloc
+
+import braceexpand
 import fsspec
 import pytest
 
-from nnh_data.sources import detect_format, expand_sources, is_local, shard_filesystem
+from nnh_data import sources
+from nnh_data.sources import (
+    content_format,
+    detect_format,
+    expand_sources,
+    is_local,
+    name_count,
+    shard_filesystem,
+)
 
 
 def test_brace_patterns_keep_padding_and_take_lists():
@@ -54,3 +68,65 @@ def test_one_filesystem_per_source():
 )  # fmt: skip
 def test_is_local_tells_files_read_in_place(url, local):
     assert is_local(url) is local
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["a{1..3}b", "{a..c}", "index.html{,.backup}", "python{2.{5..7},3.{2,3}}", "{07..10}",
+     "{a..g..2}", "{4..1}", "{2..-1}", "x{Z..a}", "x{z..A}", "{a,b}{1..10..3}{,x,{y,z{1..2}}}",
+     "plain", "{}", "{,}", "{a}", "x{a,{b}}", "{5..5..2}", "{1..10..0}", r"a\{1,2\}",
+     r"{a\,b,c}"],
+)  # fmt: skip
+def test_name_count_is_the_length_of_the_expansion(pattern):
+    assert name_count(pattern) == len(list(braceexpand.braceexpand(pattern)))
+
+
+@pytest.mark.timeout(20)
+def test_a_huge_brace_pattern_is_refused_before_it_fills_memory(monkeypatch):
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError) as caught:
+            expand_sources("s3://bucket/x-{0..999999999}.tar")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(caught.value) == (
+        "source 's3://bucket/x-{0..999999999}.tar' expands to 1,000,000,000 names, more than "
+        "MAX_SHARDS=1,000,000; check its braces (e.g. {000000..000063}), or pass the shard URLs "
+        "or a glob"
+    )
+    assert peak < 1 << 20
+    monkeypatch.setattr(sources, "MAX_SHARDS", 10)
+    assert len(expand_sources("s3://b/{0..9}.tar")) == 10
+    with pytest.raises(ValueError, match="expands to 11 names, more than MAX_SHARDS=10"):
+        expand_sources("s3://b/{0..10}.tar")
+
+
+def test_a_path_that_does_not_exist_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError) as caught:
+        expand_sources(str(tmp_path / "trian"))
+    assert str(caught.value) == f"no such file or folder: {str(tmp_path / 'trian')!r}"
+    (tmp_path / "train").mkdir()
+    with pytest.raises(FileNotFoundError, match="no shards"):
+        expand_sources(str(tmp_path / "train"))
+
+
+@pytest.mark.parametrize(
+    ("head", "what"),
+    [
+        (gzip.compress(b"x"), "gzip-compressed, not supported (nnh seeks to samples by byte "
+                              "offset, which a compressed stream cannot do): decompress it with "
+                              "gunzip"),  # fmt: skip
+        (bz2.compress(b"x"), "bzip2-compressed, not supported"),
+        (lzma.compress(b"x"), "xz-compressed, not supported"),
+        (b"(\xb5/\xfd\x00\x00", "zstd-compressed, not supported"),
+        (b"PK\x03\x04rest", "a zip archive"),
+        (b"PAR1\x15\x04", "a Parquet file"),
+        (bytes(257) + b"ustar\x0000", "a tar file"),
+        (b"just text", None),
+        (b"", None),
+    ],
+)
+def test_content_format_tells_what_the_first_bytes_say(head, what):
+    found = content_format(head)
+    assert found == what if what is None else found.startswith(what)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
 import tarfile
+from collections import Counter
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 from nnh_data import ShardedStreamingDataset, ShardError, StaleIndexError, build_shard_index
@@ -171,3 +174,124 @@ def test_precomputed_parameters_equal_generated_ones(tar_shards, tmp_path, batch
     late = ShardedStreamingDataset(urls, precomputed=str(tmp_path / "table"), **kwargs)
     with pytest.raises(ValueError, match="epochs"):
         late.set_epoch(2)
+
+
+# ---------------------------------------------------------------- damaged shards (issue 21)
+
+
+def _keys(ds, batch_size: int | None = 4) -> Counter:
+    """Every key the dataset hands out through a DataLoader with two workers."""
+    loader = DataLoader(ds, batch_size=batch_size, num_workers=2)
+    return Counter(key for batch in loader for key in batch["__key__"])
+
+
+def _damage_header(path: str, sample: int, how: str) -> int:
+    """Damage the first header of sample ``sample`` (2 members per sample): a wrong checksum,
+    or a size of 10 GiB; returns its offset."""
+    with tarfile.open(path) as tar:
+        member = tar.getmembers()[2 * sample]
+    with open(path, "r+b") as f:
+        f.seek(member.offset + (148 if how == "checksum" else 0))
+        if how == "checksum":
+            f.write(b"7777777\0")
+        else:
+            info = tarfile.TarInfo(member.name)
+            info.size = 10 << 30
+            f.write(info.tobuf(tarfile.GNU_FORMAT))
+    return member.offset
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [
+        ("checksum", "bad tar header checksum at byte {at}"),
+        ("huge", "the member at byte {at} '00000004.bin' declares 10737418240 bytes, past the "
+                 "end of the file ({size} bytes)"),  # fmt: skip
+    ],
+)
+def test_skip_indexes_the_samples_before_and_after_a_damaged_header(tar_shards, how, reason):
+    urls = tar_shards([10, 10], pax=False)
+    at = _damage_header(urls[0], 4, how)
+    reason = reason.format(at=at, size=os.path.getsize(urls[0]))
+    expected = Counter(f"{g:08d}" for g in range(20) if g != 4)
+    for opened in ("scanned", "from the sidecar"):
+        with pytest.warns(UserWarning, match="lost") as caught:
+            ds = ShardedStreamingDataset(urls, on_error="skip", seed=1)
+        lost = [str(w.message) for w in caught if "lost" in str(w.message)]
+        assert lost == [f"{urls[0]}: 1 sample lost, 9 indexed ({reason})"], opened
+        assert len(ds) == 19 and _keys(ds) == expected
+        assert ds.error_counts == {urls[0]: 1}
+    with pytest.raises(ShardError) as caught:
+        ShardedStreamingDataset(urls)  # "raise" scans the damaged shard again and raises
+    assert caught.value.url == urls[0]
+
+
+def test_skip_leaves_out_files_that_are_no_tar_and_says_what_they_are(tar_shards, tmp_path):
+    urls = tar_shards([10, 10])
+    gz = tmp_path / "shard-000002.tar"
+    gz.write_bytes(gzip.compress(open(urls[0], "rb").read()))
+    junk = tmp_path / "shard-000003.tar"
+    junk.write_bytes(b"no tar archive here\n" * 50)
+    with pytest.raises(ShardError) as caught:
+        ShardedStreamingDataset([str(gz)], format="tar")
+    assert str(caught.value) == (
+        f"{gz}: gzip-compressed, not supported (nnh seeks to samples by byte offset, which a "
+        "compressed stream cannot do): decompress it with gunzip (at byte 0)"
+    )
+    with pytest.raises(ShardError, match="not a tar file: its first block is no tar header"):
+        ShardedStreamingDataset([str(junk)])
+    with pytest.warns(UserWarning) as warned:
+        ds = ShardedStreamingDataset([*urls, str(gz), str(junk)], on_error="skip")
+    lost = sorted(str(w.message) for w in warned if "lost" in str(w.message))
+    assert lost == [
+        f"{gz}: an unknown number of samples lost, 0 indexed (gzip-compressed, not supported "
+        "(nnh seeks to samples by byte offset, which a compressed stream cannot do): "
+        "decompress it with gunzip (at byte 0))",
+        f"{junk}: an unknown number of samples lost, 0 indexed (not a tar file: no readable tar "
+        "header in its 1000 bytes)",
+    ]
+    assert _keys(ds) == Counter(f"{g:08d}" for g in range(20))
+    assert ds.error_counts == {str(gz): 0, str(junk): 0}  # listed: their loss is unknown
+
+
+def _parquet_set(tmp_path) -> list[str]:
+    """a.parquet: ids 0-29 in row groups of 10; b.parquet: ids 30-39."""
+    paths = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    pq.write_table(pa.table({"id": list(range(30)), "t": ["x"] * 30}), paths[0],
+                   row_group_size=10)  # fmt: skip
+    pq.write_table(pa.table({"id": list(range(30, 40)), "t": ["y"] * 10}), paths[1])
+    return paths
+
+
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_skip_keeps_the_readable_row_groups_of_a_damaged_parquet_file(
+    tmp_path, capfd, batch_size
+):
+    paths = _parquet_set(tmp_path)
+    build_shard_index(paths)  # the footer is whole: the damage shows when the rows are read
+    page = pq.read_metadata(paths[0]).row_group(1).column(0).data_page_offset
+    with open(paths[0], "r+b") as f:
+        f.seek(page)
+        f.write(b"\xff" * 16)  # row group 1's first page header
+    ds = ShardedStreamingDataset(paths, on_error="skip", batch_size=batch_size, seed=2)
+    batches = list(DataLoader(ds, batch_size=None if batch_size else 4, num_workers=2))
+    assert f"{paths[0]}: unreadable Parquet file" in capfd.readouterr().err  # a worker warned
+    ids = Counter(int(i) for batch in batches for i in batch["id"])
+    assert ids == Counter([*range(10), *range(20, 40)])
+    assert ds.error_counts == {paths[0]: 10}
+    if batch_size:  # the column keeps its type in every batch (numpy, made a tensor)
+        assert {type(batch["id"]) for batch in batches} == {torch.Tensor}
+
+
+def test_a_destroyed_parquet_footer_leaves_the_file_empty_and_its_count_unknown(tmp_path):
+    paths = _parquet_set(tmp_path)
+    with open(paths[0], "r+b") as f:
+        f.seek(-12, os.SEEK_END)
+        f.write(b"\xff\xff\xff\x7f")  # the footer's length
+    with pytest.warns(UserWarning) as warned:
+        ds = ShardedStreamingDataset(paths, on_error="skip")
+    (lost,) = [str(w.message) for w in warned if "lost" in str(w.message)]
+    assert lost.startswith(f"{paths[0]}: an unknown number of samples lost, 0 indexed "
+                           "(unreadable Parquet file (")  # fmt: skip
+    assert Counter(int(s["id"]) for s in ds) == Counter(range(30, 40))
+    assert ds.error_counts == {paths[0]: 0}

@@ -218,3 +218,29 @@ def test_fast_path_in_pieces_carries_keys_like_the_member_loop():
                 if fast.end:
                     break
                 pos, key = fast.stop, fast.key
+
+
+def test_a_block_ending_after_an_extended_header_stops_before_it():
+    """The PAX header names the member after it: a caller reading on from ``stop`` must read
+    it again, or the member would be read under its truncated ustar name."""
+    long_name = "k" * 120 + ".txt"
+    buf = tar_bytes([("a.txt", b"1"), (long_name, b"2")])
+    member = 1024  # a.txt: its PAX header and data, then its header and data
+    assert buf[member + 1024 + 156 : member + 1024 + 157] == b"x"  # long name's PAX header
+    parsed = parse_samples(buf, 0, member + 2048, need_data=False)  # up to its ustar header
+    assert parsed.stop == member + 1024
+    rest = parse_samples(buf, parsed.stop, len(buf), key=parsed.key)
+    assert [s["__key__"] for s in rest.samples] == ["k" * 120]
+
+
+def test_header_at_reads_a_damaged_header_leniently():
+    buf = bytearray(tar_bytes([("a.txt", b"1"), ("b.cls", b"22")], format=tarfile.USTAR_FORMAT))
+    buf[512 * 2 + 148 : 512 * 2 + 156] = b"7777777\0"  # b.cls: a wrong checksum
+    head = tar_format.header_at(bytes(buf), 1024)
+    assert (head.path, head.size, head.key) == ("b.cls", 2, "b")
+    assert (head.magic, head.valid) == (True, False)
+    pax = tar_bytes([("c" * 120 + ".txt", b"3")])
+    head = tar_format.header_at(pax, 0)  # its PAX header applied and stepped over
+    assert (head.start, head.head, head.path, head.key) == (0, 1024, "c" * 120 + ".txt", "c" * 120)
+    heads, valid = tar_format.header_blocks(bytes(buf))
+    assert heads.tolist() == [0, 2] and valid.tolist() == [True, False]
