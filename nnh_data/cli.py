@@ -49,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="could not save the shard index")
+            warnings.filterwarnings("ignore", message="wrote the shard index")  # printed below
             result = args.run(args)
     except (ValueError, OSError, ShardError, UserWarning) as exc:
         parser.exit(2, f"nnh-data: error: {exc}\n")

@@ -132,3 +132,33 @@ def test_convert_task_from_a_slurm_array(tmp_path, monkeypatch):
         main(["convert", str(tmp_path), str(tmp_path / "o" / "s-%d.tar"), "--max-count", "1"]) == 0
     )
     assert sorted(p.name for p in (tmp_path / "o").glob("*.tar")) == ["s-2.tar", "s-3.tar"]
+
+
+def test_convert_refuses_a_key_that_would_leave_the_folder(tmp_path, capsys):
+    pq.write_table(pa.table({"__key__": ["ok", "../../x"], "txt": ["a", "b"]}),
+                   tmp_path / "t.parquet")  # fmt: skip
+    with pytest.raises(SystemExit) as caught:
+        main(["convert", str(tmp_path / "t.parquet"), str(tmp_path / "out" / "s-%d.tar")])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2
+    assert err == (
+        "nnh-data: error: sample key '../../x' is not a safe relative path (it starts with '/', "
+        "has a '..' part or a NUL): tar tools would extract it outside their folder, so it is "
+        "refused rather than renamed; give the sample a relative key\n"
+    )
+    assert not list((tmp_path / "out").glob("*.tar"))
+
+
+def test_convert_skips_symbolic_links_unless_asked(tmp_path, capsys):
+    (tmp_path / "outside.txt").write_text("secret")
+    folder = tmp_path / "files"
+    folder.mkdir()
+    (folder / "a.txt").write_text("A")
+    (folder / "b.txt").symlink_to(tmp_path / "outside.txt")
+    pattern = str(tmp_path / "out" / "s-%d.tar")
+    with pytest.warns(UserWarning, match="skipped 1 symbolic link"):
+        assert main(["convert", str(folder), pattern]) == 0
+    assert "1 shards, 1 samples" in capsys.readouterr().out
+    assert main(["convert", str(folder), pattern, "--follow-symlinks"]) == 0
+    samples = list(iter_shard_samples(build_shard_index(pattern % 0).shards[0]))
+    assert samples == [{"__key__": "a", "txt": b"A"}, {"__key__": "b", "txt": b"secret"}]

@@ -11,7 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nnh_data.shards import build_shard_index, iter_shard_samples
-from nnh_data.writer import directory_samples, parquet_samples, write_shards
+from nnh_data.writer import (
+    count_directory_samples,
+    directory_samples,
+    parquet_samples,
+    write_shards,
+)
 
 
 def numbered(n: int, size: int = 100) -> list[dict]:
@@ -146,3 +151,47 @@ def test_directory_and_parquet_samples(tmp_path):
         {"__key__": "t/1", "text.txt": b"y", "raw": b"s", "score.json": b"1.5",
          "meta.json": b'{"a": 2}'},
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("key", ["../../x", "/etc/x", "a/../../x", "a/..", "..", "a\0b"])
+def test_keys_that_would_leave_the_extraction_folder_are_refused(tmp_path, key):
+    with pytest.raises(ValueError) as caught:
+        write_shards([{"__key__": key, "txt": "x"}], str(tmp_path / "s-%d.tar"))
+    assert str(caught.value) == (
+        f"sample key {key!r} is not a safe relative path (it starts with '/', has a '..' part "
+        "or a NUL): tar tools would extract it outside their folder, so it is refused rather "
+        "than renamed; give the sample a relative key"
+    )
+    assert not list(tmp_path.glob("*.tar"))
+
+
+def test_relative_keys_with_folders_and_dots_are_written(tmp_path):
+    samples = [{"__key__": k, "txt": "x"} for k in ("a/b/1", "./c/2", "d..e/3", "..f/4")]
+    assert [s["__key__"] for s in read_back(write_shards(samples, str(tmp_path / "s-%d.tar")))] \
+        == ["a/b/1", "./c/2", "d..e/3", "..f/4"]  # fmt: skip
+
+
+def test_directory_samples_skip_symbolic_links_unless_asked(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_bytes(b"S")
+    (outside / "more").mkdir()
+    (outside / "more" / "deep.txt").write_bytes(b"D")
+    folder = tmp_path / "files"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"A")
+    (folder / "b.txt").symlink_to(outside / "secret.txt")
+    (folder / "linked").symlink_to(outside / "more")
+    message = (
+        f"skipped 2 symbolic link(s) in {str(folder)!r}, e.g. {str(folder / 'linked')!r}: a "
+        "link may lead out of the folder; pass follow_symlinks=True (nnh-data convert "
+        "--follow-symlinks) to read what they point to"
+    )
+    with pytest.warns(UserWarning) as caught:
+        assert list(directory_samples(str(folder))) == [{"__key__": "a", "txt": b"A"}]
+    assert [str(w.message) for w in caught] == [message]
+    with pytest.warns(UserWarning, match="skipped 2 symbolic link"):
+        assert count_directory_samples(str(folder)) == 1
+    followed = list(directory_samples(str(folder), follow_symlinks=True))
+    assert followed == [{"__key__": "a", "txt": b"A"}, {"__key__": "b", "txt": b"S"},
+                        {"__key__": "linked/deep", "txt": b"D"}]  # fmt: skip
