@@ -1,0 +1,101 @@
+"""ParquetReader: any row range of a Parquet shard as columns, its types, its keys, the open
+file it keeps, and the errors that name the shard and where."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from nnh_data.parquet_format import ParquetReader
+from nnh_data.shard_index import ShardError, StaleIndexError
+from nnh_data.shards import build_shard_index
+
+
+@pytest.fixture
+def shard(tmp_path):
+    """ids 0-24 in row groups of 10, a string column and a nullable float column."""
+    path = str(tmp_path / "part-0.parquet")
+    values = [None if i % 7 == 3 else i / 2 for i in range(25)]
+    table = pa.table({"id": pa.array(range(25), pa.int64()), "text": [f"r{i}" for i in range(25)],
+                      "score": pa.array(values, pa.float64())})  # fmt: skip
+    pq.write_table(table, path, row_group_size=10)
+    return build_shard_index(path).shards[0]
+
+
+@pytest.mark.parametrize(
+    ("start", "stop"), [(0, 25), (0, 1), (3, 17), (10, 20), (19, 21), (24, 25)]
+)
+def test_any_row_range_across_row_groups(shard, start, stop):
+    columns = ParquetReader().read(shard, start, stop)
+    assert columns["id"].tolist() == list(range(start, stop))
+    assert columns["text"] == [f"r{i}" for i in range(start, stop)]
+    assert columns["__key__"] == [f"part-0/{i}" for i in range(start, stop)]
+
+
+def test_numeric_columns_are_numpy_unless_nullable(shard):
+    assert shard.nullable == ("score",)  # from the footer statistics
+    columns = ParquetReader().read(shard, 0, 5)
+    assert isinstance(columns["id"], np.ndarray) and columns["id"].dtype == np.int64
+    assert columns["score"] == [0.0, 0.5, 1.0, None, 2.0]  # nullable: Python values, None
+    as_dataset = ParquetReader(nullable=["id", "score"]).read(shard, 0, 2)
+    assert as_dataset["id"] == [0, 1]  # the dataset's union of nullable columns wins
+    plain = ParquetReader(nullable=[])
+    with pytest.raises(StaleIndexError, match="a null the index did not list") as caught:
+        plain.read(shard, 0, 5)
+    assert caught.value.position == "column 'score'"
+
+
+def test_a_key_column_is_the_key(tmp_path):
+    path = str(tmp_path / "k.parquet")
+    pq.write_table(pa.table({"__key__": ["a", "b", "c"], "v": [1, 2, 3]}), path)
+    info = build_shard_index(path).shards[0]
+    assert ParquetReader().read(info, 1, 3)["__key__"] == ["b", "c"]
+
+
+def test_the_open_file_is_kept_between_reads_and_let_go(shard, monkeypatch):
+    opened = []
+    real = pq.ParquetFile
+
+    def counting(*args, **kwargs):
+        opened.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pq, "ParquetFile", counting)
+    reader = ParquetReader()
+    for start in range(0, 25, 5):
+        reader.read(shard, start, start + 5)
+    assert len(opened) == 1
+    reader.close()
+    reader.read(shard, 0, 1)
+    assert len(opened) == 2
+
+
+def test_reads_an_open_copy_instead_of_the_url(shard, tmp_path):
+    with open(shard.url, "rb") as copy:
+        columns = ParquetReader().read(shard, 8, 12, copy)
+    assert columns["id"].tolist() == [8, 9, 10, 11]
+
+
+def test_a_rewritten_file_is_a_stale_index(shard):
+    pq.write_table(pa.table({"id": list(range(30))}), shard.url, row_group_size=10)
+    with pytest.raises(StaleIndexError) as caught:
+        ParquetReader().read(shard, 0, 5)
+    assert caught.value.position == "footer"
+    assert "the file has 30 rows in 3 row groups, the index 25 rows in 3" in str(caught.value)
+
+
+def test_an_unreadable_row_group_names_the_shard_and_the_row_group(shard):
+    page = pq.read_metadata(shard.url).row_group(1).column(0).data_page_offset
+    with open(shard.url, "r+b") as f:
+        f.seek(page)
+        f.write(b"\xff" * 16)
+    reader = ParquetReader()
+    assert reader.read(shard, 0, 10)["id"].tolist() == list(range(10))  # group 0 is whole
+    with pytest.raises(ShardError) as caught:
+        reader.read(shard, 5, 15)
+    assert (caught.value.url, caught.value.position) == (shard.url, "row group 0 (sample 5)")
+    assert "unreadable Parquet file" in caught.value.reason
+    with pytest.raises(ShardError, match=r"row group 1 \(sample 12\)"):
+        reader.read(shard, 12, 14)

@@ -1,0 +1,91 @@
+"""SourceReader: a source's draws read as parts, in draw order, each row the sample its label
+names; ids offset and repeats keyed apart when mixing; unreadable samples as empty rows."""
+
+from __future__ import annotations
+
+import tarfile
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from nnh_data.error_policy import ErrorPolicy
+from nnh_data.mixing import SourceDraws
+from nnh_data.shard_index import ShardError
+from nnh_data.shards import build_shard_index
+from nnh_data.source_reader import SourceReader
+from nnh_data.stages import COLUMNS, SAMPLES
+from tests.support import sample_bytes
+
+COUNTS = [5, 0, 7]
+
+
+def reader(urls, *, draws=12, on_error="raise", **kwargs) -> SourceReader:
+    index = build_shard_index(urls)
+    counts = tuple(info.num_samples for info in index.shards)
+    errors = ErrorPolicy(on_error, urls, torch.zeros(len(urls), dtype=torch.int64))
+    return SourceReader(index, SourceDraws(counts, seed=4, draws=draws, window=4), errors=errors,
+                        **kwargs)  # fmt: skip
+
+
+def rows_and_labels(parts, rows=SAMPLES) -> tuple[list, list]:
+    parts = list(parts)
+    if rows is COLUMNS:
+        got = [g for p in parts for g in zip(p.rows["__key__"], p.rows["bin"], strict=True)]
+    else:
+        got = [(r["__key__"], r["bin"]) for p in parts for r in p.rows]
+    labels = [(int(i), bool(pad), int(k)) for p in parts
+              for i, pad, k in zip(p.labels["__index__"], p.labels["__pad__"], p.keys)]  # fmt: skip
+    return got, labels
+
+
+@pytest.mark.parametrize("rows", [SAMPLES, COLUMNS])
+def test_parts_hold_the_draws_in_order_then_the_pads(tar_shards, rows):
+    source = reader(tar_shards(COUNTS))
+    got, labels = rows_and_labels(source.parts(1, [(2, 9)], [0, 11], rows), rows)
+    ids, _ = source.draws.sample_ids(1, 2, 9)
+    pads = [int(source.draws.sample_ids(1, j, j + 1)[0][0]) for j in (0, 11)]
+    assert [i for i, _, _ in labels] == [*ids.tolist(), *pads]
+    assert [pad for _, pad, _ in labels] == [False] * 7 + [True, True]
+    assert [k for _, _, k in labels] == [i for i, _, _ in labels]  # parameters keyed by id
+    assert got == [(f"{i:08d}", sample_bytes(i, 16)) for i, _, _ in labels]  # the named sample
+
+
+def test_mixing_offsets_the_keys_and_keys_repeats_apart(tar_shards):
+    source = reader(tar_shards(COUNTS), draws=30, key_offset=100, key_stride=1000,
+                    labels={"__source__": "b"}, repeats=True)  # fmt: skip
+    parts = list(source.parts(0, [(0, 30)], [], SAMPLES))
+    ids = np.concatenate([p.labels["__index__"] for p in parts])
+    repeat = np.concatenate([p.labels["__repeat__"] for p in parts])
+    keys = np.concatenate([p.keys for p in parts])
+    seen: Counter = Counter()
+    for i, again, key in zip(ids.tolist(), repeat.tolist(), keys.tolist()):
+        assert again == (seen[i] > 0)
+        assert key == 100 + i + 1000 * seen[i]  # each repeat gets its own parameters
+        seen[i] += 1
+    assert sorted(seen.values()) == [2] * 6 + [3] * 6  # 30 draws of 12 samples
+    assert all(label == "b" for p in parts for label in p.labels["__source__"])
+
+
+def test_shard_of_and_field_names(tar_shards):
+    source = reader(tar_shards(COUNTS), first_shard=3)
+    assert [source.shard_of(i) for i in (0, 4, 5, 11)] == [3, 3, 5, 5]
+    assert source.field_names() == ["__key__", "bin", "cls"]
+
+
+def test_an_unreadable_sample_is_an_empty_row_under_skip(tar_shards):
+    urls = tar_shards(COUNTS, pax=False)
+    source = reader(urls, on_error="skip")
+    with tarfile.open(urls[2]) as tar:
+        at = tar.getmembers()[2 * 3].offset  # id 8: sample 3 of the third shard
+    with open(urls[2], "r+b") as f:
+        f.seek(at + 148)
+        f.write(b"7777777\0")
+    with pytest.warns(UserWarning, match=f"sample 3, byte {at}"):
+        parts = list(source.parts(0, [(0, 12)], [], SAMPLES))
+    rows = {int(i): r for p in parts for i, r in zip(p.labels["__index__"], p.rows)}
+    assert sorted(rows) == list(range(12))
+    assert [i for i, r in rows.items() if r is None] == [8]
+    with pytest.raises(ShardError, match="bad tar header checksum"):
+        list(reader(urls).parts(0, [(0, 12)], [], SAMPLES))
