@@ -318,8 +318,8 @@ def file_stats(
     missing = [p for p in paths if p not in listed]
     if missing:
         raise FileNotFoundError(
-            f"shard not found: {missing[0]!r} "
-            f"({len(missing)} of {len(paths)} missing)"
+            f"no such file or folder: {missing[0]!r} ({len(missing)} of {len(paths)} shards "
+            "missing)"
         )
     return [listed[p] for p in paths]
 
@@ -393,9 +393,9 @@ def build_shard_index(
     check_choice("on_error", on_error, ("raise", "skip"))
     found = listed_sources(source, storage_options)
     urls = [url for url, _ in found]
-    formats = [detect_format(url, format) for url in urls]
     fs, paths = shard_filesystem(urls, storage_options)
-    stats = file_stats(fs, paths, [entry for _, entry in found])
+    stats = file_stats(fs, paths, [entry for _, entry in found])  # first: a mistyped path
+    formats = [detect_format(url, format) for url in urls]  # is missing, not of no format
     beside = index_path is None  # the sidecar goes into the shards' folder
     index_path = index_path or default_index_path(urls)
     entries = {} if rebuild else load_entries(index_path, storage_options)

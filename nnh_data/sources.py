@@ -163,11 +163,7 @@ def _folder_shards(
     if name.endswith((*_EXTENSIONS, *_COMPRESSED)):
         return []
     fs, path = url_to_fs(url, **(storage_options or {}))
-    try:
-        kind = fs.info(path)["type"]
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no such file or folder: {url!r}") from None
-    if kind != "directory":
+    if not fs.isdir(path):  # its listing is cached: the shards' sizes come from it
         return []
     base = url.rstrip("/")
     items = sorted(fs.ls(path, detail=True), key=lambda item: item["name"])

@@ -143,6 +143,19 @@ def test_folder_and_missing_shard(tar_shards, tmp_path):
         ShardedStreamingDataset(str(tmp_path / "x.tar.gz"))
 
 
+def test_a_path_that_does_not_exist_says_so(tar_shards, tmp_path):
+    tar_shards([2])
+    for name in ("trian", "trian.tar"):
+        with pytest.raises(FileNotFoundError) as caught:
+            ShardedStreamingDataset(str(tmp_path / name))
+        assert str(caught.value) == (
+            f"no such file or folder: {str(tmp_path / name)!r} (1 of 1 shards missing)"
+        )
+    (tmp_path / "train").mkdir()
+    with pytest.raises(FileNotFoundError, match="no shards .* in folder"):
+        ShardedStreamingDataset(str(tmp_path / "train"))
+
+
 def test_seed_has_one_form_in_both_modes(tar_shards):
     urls = tar_shards([6])
     per_sample = {s["__index__"]: s["__aug__"]["seed"] for s in ShardedStreamingDataset(urls)}
