@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ __all__ = [
     "model_from_record",
     "model_record",
     "plot_request",
+    "train_precision",
 ]
 
 
@@ -161,6 +163,43 @@ def cache_from_loader_type(kwargs: dict[str, Any], cache: bool) -> bool:
         return cache
     kind = _enum(DataLoaderType, "dataloader_type", kwargs.pop("dataloader_type"))
     return cache or kind is DataLoaderType.RANK_CACHED
+
+
+_TRAIN_DEFAULTS = {"use_amp": False, "seed": None, "gradient_clipping_norm": None,
+                   "ema_decay": 0.0, "progress_bar": True, "debug_print_interval": None,
+                   "save_on_last_epoch": True, "epoch_train_and_val_pbar": False}  # fmt: skip
+_TRAIN_REPLACED = {
+    "gradient_clipping_norm": "nnh's NNHandler does not clip gradients",
+    "ema_decay": "keep torch.optim.swa_utils.AveragedModel(handler.module) in a Callback",
+    "progress_bar": "set the environment variable TQDM_DISABLE=1",
+    "debug_print_interval": "read handler.step_loss in a Callback's on_batch_end",
+    "save_on_last_epoch": "auto_save always saves after the last epoch",
+    "epoch_train_and_val_pbar": "nnh shows one progress bar per epoch",
+}
+
+
+def train_precision(options: Mapping[str, Any], precision: str, device: torch.device) -> str:
+    """The precision to train at, after the original ``train()``'s own options: ``use_amp``
+    is fp16 autocast with a GradScaler on CUDA (as the original; a warning elsewhere),
+    ``seed`` seeds torch; the others are accepted at their defaults and refused otherwise,
+    naming what replaces them."""
+    unknown = sorted(set(options) - set(_TRAIN_DEFAULTS))
+    if unknown:
+        raise TypeError(f"train() got unexpected keyword arguments {unknown}")
+    for name, value in options.items():
+        if name in _TRAIN_REPLACED and value != _TRAIN_DEFAULTS[name]:
+            raise ValueError(f"train({name}={value!r}) of the original NNHandler is not in nnh: "
+                             f"{_TRAIN_REPLACED[name]}")  # fmt: skip
+    if options.get("seed") is not None:
+        torch.manual_seed(options["seed"])
+    if not options.get("use_amp"):
+        return precision
+    if device.type != "cuda":
+        warnings.warn("use_amp=True needs CUDA (as in the original NNHandler): training in "
+                      f"{precision}; precision='bf16' autocasts on the CPU",
+                      stacklevel=3)  # fmt: skip
+        return precision
+    return "fp16"
 
 
 # ---------------------------------------------------------------------- the model's record

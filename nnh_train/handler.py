@@ -81,6 +81,7 @@ from nnh_train.compat import (
     model_from_record,
     model_record,
     plot_request,
+    train_precision,
 )
 from nnh_train.dd_helpers import gather_to_rank0
 from nnh_train.ddp_decorators import on_rank
@@ -347,6 +348,7 @@ class NNHandler(OriginalAPI):
         compile: bool | str = False,
         requeue: bool = False,
         preempt_path: str | os.PathLike | None = None,
+        **original_options: Any,
     ) -> NNHandler | None:
         """Train until ``epochs`` epochs are done in total (a resumed run continues its count).
 
@@ -372,6 +374,9 @@ class NNHandler(OriginalAPI):
                 :data:`PREEMPTED_EXIT_CODE`; default the ``last.pt`` of the first
                 :class:`~nnh_train.callbacks.ModelCheckpoint`; with neither, signals keep their
                 usual effect.
+            original_options: the original NNHandler's ``train`` options (``use_amp``,
+                ``seed``, ...), honoured or refused by name
+                (:func:`~nnh_train.compat.train_precision`).
 
         Raises:
             FloatingPointError: on every rank, when a loss is NaN or infinite on any rank; no
@@ -384,10 +389,11 @@ class NNHandler(OriginalAPI):
         if epochs is None or isinstance(epochs, bool):
             options = (validate_every, precision, gradient_accumulation_steps, max_steps, resume,
                        compile, requeue, preempt_path)  # fmt: skip
-            if options != (1, "fp32", 1, None, None, False, False, None):
+            if original_options or options != (1, "fp32", 1, None, None, False, False, None):
                 raise ValueError("train needs epochs (an int) to train; train() and "
                                  "train(False) without other arguments set the model's mode")
             return self.eval(epochs is False)
+        precision = train_precision(original_options, precision, self.device)
         run = _Run(epochs, validate_every, precision, gradient_accumulation_steps, max_steps,
                    bool(requeue), self._preempt_path(preempt_path))  # fmt: skip
         self._check_ready()

@@ -187,3 +187,16 @@ def test_names_importable_where_the_original_documents_put_them():
     assert callable(parallel_on_all_devices)
     assert _should_use_distributed(use_distributed_flag=False) is False
     assert NNHandler.ModelType is ModelType and NNHandler.LoggingMode is LoggingMode
+
+
+def test_original_train_options_are_honoured_or_refused_by_name():
+    h = trainable(NNHandler(Net, device="cpu", use_distributed=False))
+    with pytest.warns(UserWarning, match="use_amp=True needs CUDA"):
+        h.train(1, validate_every=1, use_amp=True, seed=3, progress_bar=True)
+    with pytest.raises(ValueError, match="gradient_clipping_norm=1.0.*does not clip"):
+        h.train(2, gradient_clipping_norm=1.0)
+    with pytest.raises(ValueError, match="progress_bar=False.*TQDM_DISABLE=1"):
+        h.train(2, progress_bar=False)
+    with pytest.raises(TypeError, match="unexpected keyword arguments \\['epoch_count'\\]"):
+        h.train(2, epoch_count=3)
+    assert h.epoch == 1
