@@ -4,6 +4,7 @@ The same refusal under DDP is in test_handler_ddp.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,7 +69,9 @@ def test_a_second_run_is_refused_until_the_first_is_killed(tmp_path):
         h.train(1)  # at once
         assert h.step == 2 and (tmp_path / "last.pt").exists()
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the workers may be gone already
+            os.killpg(first.pid, signal.SIGKILL)
+        first.stdout.close()
 
 
 def test_the_lock_is_counted_within_a_process_and_released(tmp_path):
@@ -98,3 +101,4 @@ def test_a_refused_folder_leaves_the_others_unlocked(tmp_path):
     finally:
         held.kill()
         held.wait()
+        held.stdout.close()
