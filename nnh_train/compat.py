@@ -134,6 +134,8 @@ class OriginalOptions:
     def split(cls, kwargs: dict[str, Any]) -> tuple[OriginalOptions, dict[str, Any]]:
         """(the original options in ``kwargs``, the rest: the model's keyword arguments)."""
         ours = {key: kwargs[key] for key in ORIGINAL_OPTIONS if key in kwargs}
+        if ours.get("ddp_kwargs", {}) is None:  # the original's default
+            ours["ddp_kwargs"] = {}
         rest = {key: value for key, value in kwargs.items() if key not in ours}
         return cls(**ours), rest
 

@@ -879,6 +879,10 @@ class NNHandler(OriginalAPI):
         return self._on_rank0(fn, args, kwargs)
 
     def _on_rank0(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if not callable(fn):
+            raise ValueError(f"fn must be a function of the module, got {fn!r} (the original "
+                             "NNHandler's SDE sample(shape, steps) is not in nnh)")  # fmt: skip
+
         @functools.wraps(fn)
         def run() -> Any:
             with torch.no_grad(), _eval_mode(self.module):

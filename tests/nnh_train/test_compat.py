@@ -67,7 +67,7 @@ def test_original_constructor_options_never_reach_the_model(tmp_path, capsys):
     path = tmp_path / "logs" / "run.log"
     h = NNHandler(Recorder, device="cpu", model_type="regression", logger_mode=LoggingMode.BOTH,
                   logger_filename=str(path), logger_level=logging.INFO, save_model_code=False,
-                  ddp_kwargs={}, use_distributed=False, hidden=3)  # fmt: skip
+                  ddp_kwargs=None, use_distributed=False, hidden=3)  # fmt: skip
     assert Recorder.built_with == {"hidden": 3}
     h.log_fn("hello")
     assert "hello" in path.read_text() and "hello" in capsys.readouterr().out
@@ -167,6 +167,8 @@ def test_original_names_without_a_counterpart_say_what_replaces_them():
         h.compile_model()
     with pytest.raises(AttributeError, match="object has no attribute 'no_such_thing'"):
         h.no_such_thing  # noqa: B018
+    with pytest.raises(ValueError, match="SDE sample\\(shape, steps\\) is not in nnh"):
+        h.sample((16, 1, 28, 28), 100)
     assert h.train_metrics_history is h.train_metrics
     assert h.count_parameters() == sum(p.numel() for p in h.module.parameters())
     h.seed = 7
