@@ -7,7 +7,9 @@ collective (``handler.save`` does). Decisions read only the handler's history an
 ``epoch_logs``, which are identical on every rank by construction (computed from the same gathered
 numbers in the same order), so ranks agree on when to save or stop without exchanging anything, and
 the callbacks keep no state of their own: a resumed run decides as the uninterrupted one would.
-Writers (CSV, TensorBoard) write on rank 0 only and never enter a collective there.
+Writers (CSV, TensorBoard) write on rank 0 only and never enter a collective there. The folders a
+callback writes (``run_dirs``) are locked for the run by the handler, so a second run on one of
+them is refused instead of mixing its files with the first's (:mod:`nnh_train.run_lock`).
 """
 
 from __future__ import annotations
