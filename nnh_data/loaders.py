@@ -83,8 +83,8 @@ def create_distributed_loader(
     drops nothing (the sampler pads the last ranks with repeats, which ``gather_for_metrics``
     removes). ``loader_kwargs["shuffle"]`` sets the sampler's shuffle (default: not
     ``is_eval``). A dataset with ``set_epoch`` comes back wrapped in
-    :class:`SharedEpochDataset` (``loader.dataset.dataset`` is yours), so that
-    ``loader.dataset.set_epoch(e)`` reaches persistent workers too.
+    :class:`SharedEpochDataset` (``loader.dataset.dataset`` is yours), so that its
+    ``set_epoch`` (or ``loader.dataset.set_epoch``) reaches persistent workers too.
     Defaults, each overridden by ``loader_kwargs``: ``num_workers`` from
     :func:`default_num_workers`, ``pin_memory`` on CUDA, ``persistent_workers`` with workers.
     Works without a process group (rank and world size from :func:`nnh_data.topology.dist_info`).
@@ -112,7 +112,7 @@ def create_distributed_loader(
     """
     kwargs, shuffle, drop_last = _loader_kwargs(loader_kwargs, is_eval)
     rank, world_size = dist_info()
-    if callable(getattr(dataset, "set_epoch", None)):
+    if _has_set_epoch(dataset):
         dataset = SharedEpochDataset(dataset)
     sampler = DistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, drop_last=drop_last
@@ -178,25 +178,30 @@ class SharedEpochDataset(Dataset):
     would stay at the epoch the workers started in. This wrapper keeps the epoch in a
     shared-memory tensor (fork and spawn pass it by handle, as ``ShardedStreamingDataset``
     does) and calls the local copy's ``set_epoch`` before serving the first batch of a new
-    epoch: one integer read per batch. Other attributes are read from ``dataset``.
+    epoch: one integer read per batch. ``dataset``'s own ``set_epoch`` is made to write that
+    tensor too (an attribute set on the instance), so ``ds.set_epoch(e)`` and
+    ``loader.dataset.set_epoch(e)`` both reach the workers; a dataset that takes no attributes
+    (``__slots__``, frozen) is told with a warning to call the wrapper's. Other attributes are
+    read from ``dataset``.
 
     Example:
         >>> loader = DataLoader(SharedEpochDataset(ds), batch_size=32, num_workers=4,
         ...                     persistent_workers=True)  # doctest: +SKIP
-        >>> loader.dataset.set_epoch(1)  # the workers serve epoch 1 from the next iter()
+        >>> ds.set_epoch(1)  # the workers serve epoch 1 from the next iter()
     """
 
     def __init__(self, dataset: Dataset) -> None:
-        if not callable(getattr(dataset, "set_epoch", None)):
+        if not _has_set_epoch(dataset):
             raise ValueError(f"dataset must have a set_epoch method, got {type(dataset).__name__}")
         self.dataset = dataset
         self._epoch = torch.full((1,), -1, dtype=torch.int64).share_memory_()
         self._applied: int | None = None  # the epoch this process's copy was given
+        _SharedSetEpoch.install(dataset, self._epoch)
 
     def set_epoch(self, epoch: int) -> None:
         """Give ``dataset`` the epoch here and, from their next batch, in every worker."""
         self._epoch[0] = epoch
-        self.dataset.set_epoch(epoch)
+        _SharedSetEpoch.plain(self.dataset, epoch)
         self._applied = epoch
 
     def __len__(self) -> int:
@@ -219,8 +224,45 @@ class SharedEpochDataset(Dataset):
     def _follow(self) -> None:
         epoch = int(self._epoch[0])
         if epoch >= 0 and epoch != self._applied:
-            self.dataset.set_epoch(epoch)
+            _SharedSetEpoch.plain(self.dataset, epoch)
             self._applied = epoch
+
+
+def _has_set_epoch(dataset: Dataset) -> bool:
+    """Whether the dataset's class defines ``set_epoch``."""
+    return callable(getattr(type(dataset), "set_epoch", None))
+
+
+class _SharedSetEpoch:
+    """Set on a dataset instance in place of its ``set_epoch``: also writes the epoch into the
+    shared tensor of every :class:`SharedEpochDataset` over it."""
+
+    def __init__(self, dataset: Dataset, method: Callable[[Any, int], Any]) -> None:
+        self.dataset, self.method, self.shared = dataset, method, []
+
+    def __call__(self, epoch: int) -> Any:
+        for shared in self.shared:
+            shared[0] = epoch
+        return self.method(self.dataset, epoch)
+
+    @classmethod
+    def install(cls, dataset: Dataset, shared: torch.Tensor) -> None:
+        note = getattr(dataset, "__dict__", {}).get("set_epoch")
+        if not isinstance(note, cls):
+            note = cls(dataset, type(dataset).set_epoch)
+            try:
+                dataset.set_epoch = note
+            except AttributeError:
+                warnings.warn(f"{type(dataset).__name__} takes no attributes: its own set_epoch "
+                              "does not reach DataLoader workers; call loader.dataset.set_epoch",
+                              RuntimeWarning, stacklevel=4)  # fmt: skip
+                return
+        note.shared.append(shared)
+
+    @classmethod
+    def plain(cls, dataset: Dataset, epoch: int) -> None:
+        """``dataset.set_epoch(epoch)`` as its class defines it, writing no shared tensor."""
+        type(dataset).set_epoch(dataset, epoch)
 
 
 # ---------------------------------------------------------------- the rank-cached loader

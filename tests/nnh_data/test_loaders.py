@@ -440,12 +440,14 @@ def _params_by_id(loader) -> dict[int, float]:
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_set_epoch_reaches_persistent_workers(context):
     kwargs = {"batch_size": 4, "num_workers": 2, "multiprocessing_context": context}
-    loader, sampler = create_distributed_loader(EpochKeyed(), kwargs, "cpu", quiet)
-    assert loader.persistent_workers and isinstance(loader.dataset.dataset, EpochKeyed)
+    ds = EpochKeyed()
+    loader, sampler = create_distributed_loader(ds, kwargs, "cpu", quiet)
+    assert loader.persistent_workers and loader.dataset.dataset is ds
     seen = []
     for epoch in range(3):
         sampler.set_epoch(epoch)
-        loader.dataset.set_epoch(epoch)
+        (ds if epoch != 1 else loader.dataset).set_epoch(epoch)  # the user's object or ours
+        assert ds.epoch == epoch
         seen.append(_params_by_id(loader))
         fresh = EpochKeyed()
         fresh.set_epoch(epoch)
@@ -487,3 +489,28 @@ def test_nbytes_counts_data():
     sample = {"x": torch.zeros(4), "n": 3, "s": "cat", "b": b"ab", "a": np.zeros(3)}
     assert nbytes(sample) == 16 + 8 + 3 + 2 + 24
     assert nbytes([(torch.zeros(2, dtype=torch.int8),)]) == 2
+
+
+class Guarded(Dataset):
+    """A dataset that refuses attributes other than its epoch."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name != "epoch":
+            raise AttributeError(f"{name} is read-only")
+        super().__setattr__(name, value)
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+def test_a_dataset_without_attributes_is_told_to_use_the_wrapper():
+    with pytest.warns(RuntimeWarning, match="Guarded takes no attributes.*loader.dataset"):
+        loader, _ = create_distributed_loader(Guarded(), BATCH, "cpu", quiet)
+    loader.dataset.set_epoch(3)
+    assert loader.dataset.dataset.epoch == 3
