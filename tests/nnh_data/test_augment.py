@@ -49,7 +49,7 @@ def test_presets(name, rotation, noise, contrast):
 
 
 def test_presets_are_listed_and_immutable():
-    assert list_presets() == ["mild", "moderate", "aggressive"]
+    assert list_presets() == ["mild", "moderate", "aggressive", "imagenet"]
     with pytest.raises(AttributeError):
         get_preset("mild").rotation_range = (0, 0)
     with pytest.raises(ValueError, match="mild"):
