@@ -134,8 +134,8 @@ def _pillow_decode(
     with Image.open(io.BytesIO(data)) as image:
         width, height = image.size
         scale = _scale(params, width, height, size) if image.format == "JPEG" else 1
-        if scale > 1:
-            image.draft("RGB", (-(-width // scale), -(-height // scale)))
+        if scale > 1:  # draft picks the largest scale that keeps the size asked for
+            image.draft("RGB", (width // scale, height // scale))
         return np.asarray(image.convert("RGB")), (width, height)
 
 
