@@ -79,7 +79,7 @@ class SampleDecoder:
 
     def __call__(self, item: Mapping[str, Any]) -> dict[str, Any]:
         """The sample (or batch of columns) with its fields decoded."""
-        if isinstance(item.get("__key__"), str):
+        if isinstance(item.get("__index__", 0), (int, np.integer)):  # a sample, not a batch
             return {name: self._value(name, v, item) for name, v in item.items()}
         params = _rows(item["__aug__"]) if self.crop_size else None
         out = {}

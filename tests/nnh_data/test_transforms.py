@@ -344,3 +344,14 @@ def test_geometry_keys_must_be_complete():
     del cols["flip"]
     with pytest.raises(ValueError, match="flip"):
         apply_augmentation(torch.zeros(1, 1, 4, 4), cols)
+
+
+@CUDA
+def test_cuda_crop_and_flip_match_cpu():
+    from nnh_data.augment import get_preset
+
+    cfg = get_preset("imagenet")
+    p = gen_augmentation_params_batch(np.arange(8), config=cfg, rank_aware=False)
+    images = torch.rand(8, 3, 32, 40)
+    gpu = apply_augmentation(images.cuda(), p)
+    torch.testing.assert_close(gpu.cpu(), apply_augmentation(images, p), atol=1e-4, rtol=0)
