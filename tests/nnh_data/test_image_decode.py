@@ -147,6 +147,12 @@ def test_imagenet_parameters_match_the_reference(backend):
         check(data, gen_augmentation_params(i, get_preset("imagenet")), 56, 30)
 
 
+def test_what_pillow_reads_with_a_warning_decodes_as_the_reference(backend):
+    good = encoded(picture(90, 70, seed=8))
+    extraneous = good[:-2] + b"\x12\x34\x56" + good[-2:]  # junk before the EOI marker
+    np.testing.assert_array_equal(check(extraneous, crop(), 32, 40), decode_crop(good, crop(), 32))
+
+
 @pytest.mark.parametrize("data", [b"\xff\xd8\xff\xe0garbage", b"not an image", b""])
 def test_unreadable_bytes_raise(backend, data):
     with pytest.raises((ValueError, OSError)):
