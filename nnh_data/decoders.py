@@ -88,14 +88,15 @@ class SampleDecoder:
                 out[name] = column
                 continue
             values = [self._value(name, v, p) for v, p in zip(column, params or [{}] * len(column))]
-            out[name] = self._stacked(values) if self.crop_size and _is_image(name) else values
+            stack = self.crop_size and _extension(name) in IMAGE_EXTENSIONS
+            out[name] = self._stacked(values) if stack else values
         return out
 
     def _value(self, name: str, value: Any, sample: Mapping[str, Any]) -> Any:
         """One field's value decoded (``sample``: its sample, or its parameters in a batch)."""
         if name.startswith("__") or not isinstance(value, (bytes, bytearray, memoryview)):
             return value
-        extension = name.rsplit(".", 1)[-1].lower()
+        extension = _extension(name)
         if extension == "gz":
             return self._value(name[:-3], gzip.decompress(value), sample)
         if extension in IMAGE_EXTENSIONS:
@@ -131,8 +132,9 @@ def _converted(pixels: np.ndarray, kind: str) -> np.ndarray | torch.Tensor:
     return tensor if kind == "torchrgb8" else tensor.float().div_(255)
 
 
-def _is_image(name: str) -> bool:
-    return name.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS
+def _extension(name: str) -> str:
+    """A field's extension, as webdataset finds it: "seg.PNG" -> "png"."""
+    return name.rsplit(".", 1)[-1].lower()
 
 
 def _rows(columns: Mapping[str, Any]) -> list[dict[str, Any]]:
