@@ -18,6 +18,7 @@ from nnh_data.image_decode import decode_crop
 from nnh_data.loaders import (
     RankCache,
     RankCachedSampler,
+    SharedEpochDataset,
     create_distributed_loader,
     create_rank_cached_dataloader,
     rank_share,
@@ -67,6 +68,7 @@ __all__ = [
     "ShardInfo",
     "ShardedStreamingDataset",
     "SampleDecoder",
+    "SharedEpochDataset",
     "Source",
     "StaleIndexError",
     "apply_augmentation",
