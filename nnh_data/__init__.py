@@ -1,8 +1,10 @@
 """nnh_data: rank-aware sharded streaming datasets with deterministic augmentation parameters."""
 
 from nnh_data.augment import (
+    GEOMETRY_NAMES,
     PARAM_NAMES,
     AugmentationConfig,
+    crop_box,
     gen_augmentation_params,
     gen_augmentation_params_batch,
     gen_distributed_augmentation_params,
@@ -10,7 +12,9 @@ from nnh_data.augment import (
     list_presets,
     stream_distributed_augmentation_chain,
 )
+from nnh_data.decoders import SampleDecoder
 from nnh_data.gather import gather_for_metrics
+from nnh_data.image_decode import decode_crop
 from nnh_data.loaders import (
     RankCache,
     RankCachedSampler,
@@ -46,6 +50,7 @@ from nnh_data.writer import write_shards
 
 __all__ = [
     "PADDING_MODES",
+    "GEOMETRY_NAMES",
     "PARAM_NAMES",
     "AugmentModule",
     "AugmentParams",
@@ -62,6 +67,7 @@ __all__ = [
     "ShardIndex",
     "ShardInfo",
     "ShardedStreamingDataset",
+    "SampleDecoder",
     "SharedEpochDataset",
     "Source",
     "StaleIndexError",
@@ -69,6 +75,8 @@ __all__ = [
     "build_shard_index",
     "create_distributed_loader",
     "create_rank_cached_dataloader",
+    "crop_box",
+    "decode_crop",
     "expand_sources",
     "gather_for_metrics",
     "gen_augmentation_params",

@@ -33,8 +33,9 @@ import torch
 from torch.utils.data import IterableDataset
 
 from nnh_data import stages
-from nnh_data.augment import AugmentationConfig, gen_augmentation_params_batch
+from nnh_data.augment import AugmentationConfig, gen_augmentation_params_batch, param_names
 from nnh_data.checks import check_choice, check_int
+from nnh_data.decoders import DECODER_NAMES, SampleDecoder
 from nnh_data.error_policy import ON_ERROR, ErrorPolicy
 from nnh_data.mixing import MixedOrder, Source, SourceDraws, plan_counts, source_seed
 from nnh_data.order import UNEVEN, Intervals, WorkerPlan, base_size, rank_span, worker_plan
@@ -104,8 +105,9 @@ class ShardedStreamingDataset(IterableDataset):
     ``gen_augmentation_params_batch``, ``__index__`` and ``__pad__`` as numpy arrays, Parquet
     numeric columns as numpy arrays and other values as lists; no dict is built per sample.
     Worker ranges are cut in whole batches, so ``len()`` is the rank's number of batches
-    whatever ``num_workers``. ``decode`` then receives each batch. Mixed sources must then
-    have the same fields.
+    whatever ``num_workers``. ``decode`` (a callable, or a name of
+    :data:`~nnh_data.decoders.DECODER_NAMES`: webdataset's decoders) then receives each batch.
+    Mixed sources must then have the same fields.
 
     Example:
         >>> ds = ShardedStreamingDataset("data/train-{000000..000009}.tar")  # doctest: +SKIP
@@ -129,7 +131,7 @@ class ShardedStreamingDataset(IterableDataset):
         rank_aware_params: bool = False,
         uneven: str = "pad",
         on_error: str = "raise",
-        decode: Callable[[dict], Any] | None = None,
+        decode: Callable[[dict], Any] | str | None = None,
         shuffle_window: int = 1024,
         readahead: int | None = None,
         format: str | None = None,
@@ -158,7 +160,7 @@ class ShardedStreamingDataset(IterableDataset):
         self.readahead = check_int("readahead", readahead, low=0)
         self.uneven = check_choice("uneven", uneven, UNEVEN)
         self.aug_config = _checked_config(aug_config)
-        self.decode = _checked_decode(decode)
+        self.decode = _checked_decode(decode, self.aug_config)
         self.batch_size = None if batch_size is None else check_int("batch_size", batch_size, low=1)
         self.rank_aware_params = bool(rank_aware_params)
         self.storage_options = storage_options
@@ -532,9 +534,26 @@ def _checked_config(config: AugmentationConfig | None) -> AugmentationConfig | N
     return config
 
 
-def _checked_decode(decode: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+def _checked_decode(
+    decode: Callable[[Any], Any] | str | None, config: AugmentationConfig | None
+) -> Callable[[Any], Any] | None:
+    """``decode`` as a callable: a name of ``DECODER_NAMES`` is that :class:`SampleDecoder`;
+    a crop decoder needs a config with crop parameters."""
+    if isinstance(decode, str):
+        if decode not in DECODER_NAMES:
+            raise ValueError(
+                f"decode must be one of {', '.join(map(repr, DECODER_NAMES))}, a callable on "
+                f"samples or None, got {decode!r}"
+            )
+        return SampleDecoder(decode)
     if decode is not None and not callable(decode):
-        raise ValueError(f"decode must be a callable on samples or None, got {decode!r}")
+        raise ValueError(f"decode must be a callable, a decoder name or None, got {decode!r}")
+    crops = isinstance(decode, SampleDecoder) and decode.crop_size is not None
+    if crops and "crop_x" not in param_names(config):
+        raise ValueError(
+            f"decode={decode!r} crops with the samples' crop parameters, but aug_config has none: "
+            "pass aug_config=get_preset('imagenet') or an AugmentationConfig with crop=True"
+        )
     return decode
 
 
