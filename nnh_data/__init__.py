@@ -19,6 +19,7 @@ from nnh_data.loaders import (
     rank_share,
 )
 from nnh_data.mixing import Source, plan_counts
+from nnh_data.packed import PackedField
 from nnh_data.precompute import (
     PrecomputedParams,
     PrecomputeSpec,
@@ -46,6 +47,7 @@ from nnh_data.writer import write_shards
 __all__ = [
     "PADDING_MODES",
     "PARAM_NAMES",
+    "PackedField",
     "AugmentModule",
     "AugmentParams",
     "AugmentationConfig",
