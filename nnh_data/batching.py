@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,14 @@ def num_rows(columns: Columns) -> int:
 
 def columns_of(samples: Sequence[dict]) -> Columns:
     """Columns of sample dicts: one per key (in first-seen order), ``None`` where it is missing."""
+    if not samples:
+        return {}
+    first = samples[0]
+    if len(first) > 1 and sum(map(len, samples)) == len(first) * len(samples):
+        try:  # every sample has the first one's keys (and no others): C-level transpose
+            return dict(zip(first, map(list, zip(*map(itemgetter(*first), samples)))))
+        except KeyError:
+            pass
     names = dict.fromkeys(chain.from_iterable(samples))
     return {name: [s.get(name) for s in samples] for name in names}
 

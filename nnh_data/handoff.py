@@ -12,25 +12,28 @@ Why the transport matters. A batch leaves a DataLoader worker pickled through a 
 pickles every tensor by moving it to a new shared-memory segment whose file descriptor the main
 process fetches over a socket, with an authentication handshake, one tensor at a time: for the
 dozen small columns of a batch (ids, pad flags, the parameters) that costs far more than their
-bytes. :func:`handed_out` wraps a worker's batch so that tensors up to :data:`BY_VALUE_BYTES`
-and packed fields travel inside the one pickled message (the main process rebuilds them as
-tensors), while larger tensors (decoded images) keep torch's shared-memory path, where one
-segment per tensor is cheap relative to its size. In the main process the batch is a plain
-dict; outside a worker, nothing is wrapped.
+bytes, and pickling the bytes of a packed field through the pipe costs more than copying them.
+:func:`handed_out` wraps a worker's batch so that the worker queue sends its tensors up to
+:data:`BY_VALUE_BYTES` and its packed fields through the worker's shared-memory ring
+(:mod:`nnh_data.shm_ring`: one copy in, one copy out, a few bytes through the pipe), or inside
+the message when no slot is free, while larger tensors (decoded images) keep torch's
+shared-memory path, where one segment per tensor is cheap next to its size. The receiving
+process gets a plain dict; outside a worker, nothing is wrapped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import chain, groupby
+from multiprocessing.reduction import ForkingPickler
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from nnh_data import batching
+from nnh_data import batching, shm_ring
 from nnh_data.packed import PackedField
 
 __all__ = [
@@ -167,32 +170,48 @@ def _packed_or_list(values: list) -> Any:
 
 def handed_out(batch: Any) -> Any:
     """``batch`` ready for the worker queue: in a DataLoader worker a dict is wrapped so that
-    pickling sends its small tensors and packed fields by value (see the module docstring); the
-    main process receives a plain dict of the same values. Outside a worker, ``batch``."""
+    multiprocessing's pickler sends its small tensors and packed fields through the worker's
+    shared-memory ring (or inside the message); the receiving process gets a plain dict of the
+    same values (see the module docstring). Outside a worker, ``batch``."""
     if get_worker_info() is None or type(batch) is not dict:
         return batch
     return _HandOff(batch)
 
 
 class _HandOff(dict):
-    """A dict that pickles as a plain dict of its values encoded for the worker queue."""
+    """A worker's batch on its way to the queue (a plain dict to any other pickler)."""
 
     __slots__ = ()
 
-    def __reduce__(self) -> tuple:
-        return dict, (), None, None, ((k, _encoded(v)) for k, v in self.items())
+
+def _reduce_hand_off(batch: _HandOff) -> tuple[Callable, tuple]:
+    """How the worker queue pickles a batch: its arrays in the worker's ring (or by value
+    when no slot is free), the rest of it as it is."""
+    arrays: list[np.ndarray] = []
+    skeleton = _skeleton(batch, arrays)
+    ring = shm_ring.worker_ring(shm_ring.footprint(arrays)) if arrays else None
+    placed = None if ring is None else ring.put(arrays)
+    if placed is None:
+        return _filled, (skeleton, arrays)
+    return _from_ring, (skeleton, placed)
 
 
-class _ByValue:
-    """A small tensor pickled as its numpy array, rebuilt as a tensor."""
+ForkingPickler.register(_HandOff, _reduce_hand_off)
 
-    __slots__ = ("array",)
 
-    def __init__(self, array: np.ndarray) -> None:
-        self.array = array
+class _Tensor(NamedTuple):
+    """In a skeleton: the tensor of array ``index``."""
 
-    def __reduce__(self) -> tuple[Callable, tuple]:
-        return _tensor_of, (self.array,)
+    index: int
+
+
+class _Packed(NamedTuple):
+    """In a skeleton: a packed field of arrays ``data``, ``offsets``, ``valid`` (or None)."""
+
+    kind: str
+    data: int
+    offsets: int
+    valid: int | None
 
 
 class _SharedPacked:
@@ -205,30 +224,59 @@ class _SharedPacked:
 
     def __reduce__(self) -> tuple[Callable, tuple]:
         f = self.field
-        return PackedField, (f.data, _ByValue(f.offsets.numpy()), f.kind,
-                             None if f.valid is None else _ByValue(f.valid.numpy()))  # fmt: skip
+        valid = None if f.valid is None else f.valid.clone()
+        return PackedField, (f.data, f.offsets.clone(), f.kind, valid)
 
 
-def _encoded(value: Any) -> Any:
-    if type(value) is dict:
-        return _HandOff(value)
+def _skeleton(value: Any, arrays: list[np.ndarray]) -> Any:
+    """``value`` with its small tensors and packed fields moved to ``arrays`` (as numpy),
+    markers in their places; dicts as plain dicts."""
+    if isinstance(value, dict) and type(value) in (dict, _HandOff):
+        return {name: _skeleton(v, arrays) for name, v in value.items()}
     if isinstance(value, torch.Tensor):
-        small = value.nbytes <= BY_VALUE_BYTES and value.device.type == "cpu"
-        return _ByValue(_numpy(value)) if small and not value.requires_grad else value
-    if isinstance(value, PackedField) and value.data.nbytes > BY_VALUE_BYTES:
-        return _SharedPacked(value)
+        array = _small_array(value)
+        if array is None:
+            return value
+        arrays.append(array)
+        return _Tensor(len(arrays) - 1)
+    if isinstance(value, PackedField):
+        if value.data.nbytes > BY_VALUE_BYTES:
+            return _SharedPacked(value)
+        bounds, first = value.offsets.numpy(), len(arrays)
+        arrays += [value.data.numpy()[bounds[0] : bounds[-1]], bounds - bounds[0]]
+        if value.valid is not None:
+            arrays.append(value.valid.numpy())
+        return _Packed(value.kind, first, first + 1, None if value.valid is None else first + 2)
     return value
 
 
-def _numpy(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
-    """The tensor's numpy view, or the tensor itself for dtypes numpy lacks (bfloat16)."""
+def _small_array(tensor: torch.Tensor) -> np.ndarray | None:
+    """A small CPU tensor's numpy view; None for large ones (torch's shared memory suits
+    them) and for those numpy cannot view (bfloat16, autograd)."""
+    if tensor.nbytes > BY_VALUE_BYTES or tensor.device.type != "cpu" or tensor.requires_grad:
+        return None
     try:
         return tensor.numpy()
     except TypeError:
-        return tensor
+        return None
 
 
-def _tensor_of(array: np.ndarray | torch.Tensor) -> torch.Tensor:
-    if isinstance(array, torch.Tensor):
-        return array
+def _from_ring(skeleton: Any, placed: tuple) -> Any:
+    return _filled(skeleton, shm_ring.rebuild(*placed))
+
+
+def _filled(skeleton: Any, arrays: list[np.ndarray]) -> Any:
+    """The batch of ``skeleton`` with its markers replaced by tensors and packed fields."""
+    if type(skeleton) is dict:
+        return {name: _filled(v, arrays) for name, v in skeleton.items()}
+    if type(skeleton) is _Tensor:
+        return _tensor(arrays[skeleton.index])
+    if type(skeleton) is _Packed:
+        valid = None if skeleton.valid is None else _tensor(arrays[skeleton.valid])
+        return PackedField(_tensor(arrays[skeleton.data]), _tensor(arrays[skeleton.offsets]),
+                           skeleton.kind, valid)  # fmt: skip
+    return skeleton
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array if array.flags.writeable else array.copy())

@@ -172,30 +172,28 @@ def decode_shard_range(
 
 def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> list[dict]:
     base = int(info.offsets[start])
-    buf = _checked_end(info, buf, start, stop)
+    size = _checked_end(info, buf, start, stop)
     try:
-        parsed = parse_samples(buf, 0, len(buf))
+        parsed = parse_samples(buf, 0, size)
     except TarFormatError as exc:
         raise ShardError(info.url, _tar_position(info, base + exc.offset), exc.reason) from exc
-    if parsed.stop != len(buf) or len(parsed.samples) != stop - start:
+    if parsed.stop != size or len(parsed.samples) != stop - start:
         found = f"{len(parsed.samples)} samples ending at byte {base + parsed.stop}"
-        expected = f"{stop - start} ending at byte {base + len(buf)}"
+        expected = f"{stop - start} ending at byte {base + size}"
         raise StaleIndexError(info.url, _tar_position(info, base), f"found {found}, the index "
                               f"says {expected}")  # fmt: skip
     _warn_if_split(info, parsed.samples)
     return parsed.samples
 
 
-def _checked_end(info: ShardInfo, buf: bytes, start: int, stop: int) -> bytes:
-    """``buf`` without the block read after the shard's last sample, which must be the
-    end-of-archive marker (:func:`fetch_shard_range`)."""
+def _checked_end(info: ShardInfo, buf: bytes, start: int, stop: int) -> int:
+    """The bytes of ``buf`` that hold the samples: all but the block read after the shard's
+    last sample, which must be the end-of-archive marker (:func:`fetch_shard_range`)."""
     size = int(info.offsets[stop] - info.offsets[start])
-    if len(buf) == size:
-        return buf
-    if buf[size:] != ZERO_BLOCK:
+    if len(buf) != size and buf[size:] != ZERO_BLOCK:
         position = _tar_position(info, int(info.offsets[stop]))
         raise StaleIndexError(info.url, position, "more data after the last indexed sample")
-    return buf[:size]
+    return size
 
 
 def _warn_if_split(info: ShardInfo, samples: list[dict]) -> None:
@@ -217,7 +215,7 @@ def decode_tar_each(info: ShardInfo, buf: bytes, start: int, stop: int) -> list[
     :class:`ShardError` that makes it unreadable. Where a block holds a bad header, this keeps
     every other sample of it (the index knows where each one starts)."""
     base = int(info.offsets[start])
-    buf = _checked_end(info, buf, start, stop)
+    _checked_end(info, buf, start, stop)
     out: list[dict | ShardError] = []
     for i in range(start, stop):
         low, high = int(info.offsets[i]) - base, int(info.offsets[i + 1]) - base

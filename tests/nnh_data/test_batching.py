@@ -45,3 +45,11 @@ def test_take_cut_concat_keep_rows_together(values, data):
 def test_concat_fills_missing_columns_and_mixes_numpy_with_lists():
     joined = concat([{"a": np.array([1, 2]), "b": [1, 2]}, {"a": [3], "c": ["z"]}])
     assert joined == {"a": [1, 2, 3], "b": [1, 2, None], "c": [None, None, "z"]}
+
+
+@given(st.lists(st.dictionaries(st.sampled_from("abc"), st.integers(0, 9)), max_size=6))
+def test_columns_of_is_the_plain_per_key_gather(samples):
+    names = dict.fromkeys(key for sample in samples for key in sample)
+    expected = {name: [sample.get(name) for sample in samples] for name in names}
+    got = columns_of(samples)
+    assert got == expected and list(got) == list(expected)
