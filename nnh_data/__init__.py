@@ -14,6 +14,7 @@ from nnh_data.gather import gather_for_metrics
 from nnh_data.loaders import (
     RankCache,
     RankCachedSampler,
+    SharedEpochDataset,
     create_distributed_loader,
     create_rank_cached_dataloader,
     rank_share,
@@ -63,6 +64,7 @@ __all__ = [
     "ShardIndex",
     "ShardInfo",
     "ShardedStreamingDataset",
+    "SharedEpochDataset",
     "Source",
     "StaleIndexError",
     "apply_augmentation",
