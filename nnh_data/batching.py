@@ -1,9 +1,11 @@
-"""Samples as columns: the form of the batches ``ShardedStreamingDataset(batch_size=...)`` yields.
+"""Samples as columns: the form batches take inside ``ShardedStreamingDataset`` before they are
+handed out (:mod:`nnh_data.handoff`).
 
 A ``Columns`` is a dict of equally long columns: numpy arrays for numeric and boolean data,
-lists of Python values for everything else, or nested ``Columns`` (``__aug__``). Building
-batches this way costs a few pointer copies per value instead of a dict per sample, which is
-what lets columnar sources (Parquet) stream at close to the speed of pyarrow itself.
+Arrow arrays for the other Parquet columns, lists of Python values for everything else, or
+nested ``Columns`` (``__aug__``). Building batches this way costs a few pointer copies per value
+(none per value for Arrow columns, which Arrow gathers itself) instead of a dict per sample,
+which is what lets columnar sources (Parquet) stream at the speed of pyarrow itself.
 
 >>> cols = columns_of([{"a": 1, "b": b"x"}, {"a": 2}])
 >>> cols
@@ -21,11 +23,22 @@ from operator import itemgetter
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
-Column = list | np.ndarray | dict
+Column = list | np.ndarray | pa.Array | dict
 Columns = dict[str, Column]
 
-__all__ = ["Columns", "columns_of", "concat", "cut", "num_rows", "rows_of", "take"]
+__all__ = [
+    "Columns",
+    "as_list",
+    "columns_of",
+    "concat",
+    "cut",
+    "num_rows",
+    "rows_of",
+    "take",
+    "without_arrow",
+]
 
 
 def num_rows(columns: Columns) -> int:
@@ -85,9 +98,27 @@ def take(columns: Columns, indices: np.ndarray) -> Columns:
             out[name] = take(col, indices)
         elif isinstance(col, np.ndarray):
             out[name] = col[indices]
+        elif isinstance(col, pa.Array):
+            out[name] = col.take(indices)
         else:
             out[name] = list(map(col.__getitem__, positions))
     return out
+
+
+def as_list(column: list | np.ndarray | pa.Array) -> list:
+    """A column's values as a list of Python values."""
+    if isinstance(column, np.ndarray):
+        return column.tolist()
+    return column.to_pylist() if isinstance(column, pa.Array) else column
+
+
+def without_arrow(columns: Columns) -> Columns:
+    """``columns`` with Arrow arrays as lists of Python values (what ``decode`` receives)."""
+    return {
+        name: without_arrow(col) if isinstance(col, dict) else
+        col.to_pylist() if isinstance(col, pa.Array) else col
+        for name, col in columns.items()
+    }  # fmt: skip
 
 
 def cut(columns: Columns, start: int, stop: int) -> Columns:
@@ -117,11 +148,11 @@ def concat(parts: Sequence[Columns]) -> Columns:
         if all(isinstance(col, dict) for col in cols):
             out[name] = concat(cols)
             continue
+        if all(isinstance(col, pa.Array) for col in cols) and len({c.type for c in cols}) == 1:
+            out[name] = pa.concat_arrays(cols)
+            continue
         merged: list = []
         for col, size in zip(cols, sizes):
-            if col is None:
-                merged += [None] * size
-            else:
-                merged += col.tolist() if isinstance(col, np.ndarray) else col
+            merged += [None] * size if col is None else as_list(col)
         out[name] = merged
     return out

@@ -30,6 +30,7 @@ from operator import itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
+import pyarrow as pa
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
@@ -47,14 +48,15 @@ __all__ = [
 
 BY_VALUE_BYTES = 1 << 20  # tensors and packed fields up to this size travel in the message
 _NUMPY_KIND = {bool: np.bool_, int: np.int64, float: np.float64}  # what default_collate makes
+_ARROW_TEXT = (pa.binary(), pa.large_binary(), pa.string(), pa.large_string())
 
 
 def collate_samples(samples: Sequence[Any]) -> Any:
     """Collate sample dicts into a dict of columns: ``int``/``float``/``bool`` values as
     tensors (the dtypes of ``default_collate``), ``bytes`` or ``str`` values (``None`` allowed)
-    as a :class:`PackedField`, dicts recursively, anything else by ``default_collate``. A field
-    missing from some samples is ``None`` there. In a DataLoader worker the batch is wrapped
-    for the hand-off (:func:`handed_out`).
+    as a :class:`PackedField`, dicts recursively, a column of only ``None`` as that list,
+    anything else by ``default_collate``. A field missing from some samples is ``None`` there.
+    In a DataLoader worker the batch is wrapped for the hand-off (:func:`handed_out`).
 
     Example:
         >>> batch = collate_samples([{"x": 1, "t": "a"}, {"x": 2, "t": "b"}])
@@ -87,6 +89,8 @@ def _column(values: list) -> Any:
     """One collated column (see :func:`collate_samples`)."""
     first = next((v for v in values if v is not None), None)
     kind = type(first)
+    if first is None:  # nothing to tell the type by (a nullable column, all null here)
+        return values
     if kind in (bytes, str):
         try:
             return PackedField.pack(values)
@@ -122,9 +126,19 @@ def _as_collated(columns: dict[str, Any]) -> dict[str, Any]:
             out[name] = _as_collated(column)
         elif isinstance(column, np.ndarray) and (dtype := _collated_dtype(column.dtype)):
             out[name] = torch.from_numpy(column.astype(dtype))
+        elif (packed := _packed_arrow(column)) is not None:
+            out[name] = packed
         else:
-            out[name] = _column(column.tolist() if isinstance(column, np.ndarray) else column)
+            out[name] = _column(batching.as_list(column))
     return out
+
+
+def _packed_arrow(column: Any) -> PackedField | None:
+    """An Arrow binary or string column packed from its buffers; None for anything else (and
+    for a column of nulls only, which stays a list)."""
+    if not isinstance(column, pa.Array) or column.type not in _ARROW_TEXT:
+        return None
+    return PackedField.from_arrow(column) if column.null_count < len(column) else None
 
 
 def _collated_dtype(dtype: np.dtype) -> type | None:
@@ -149,9 +163,11 @@ def _tensors(columns: dict[str, Any]) -> dict[str, Any]:
         if isinstance(column, dict):
             out[name] = _tensors(column)
         elif isinstance(column, np.ndarray):
-            out[name] = torch.from_numpy(column if column.flags.writeable else column.copy())
+            out[name] = _tensor(column)
+        elif (packed := _packed_arrow(column)) is not None:
+            out[name] = packed
         else:
-            out[name] = _packed_or_list(column)
+            out[name] = _packed_or_list(batching.as_list(column))
     return out
 
 

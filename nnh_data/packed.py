@@ -24,11 +24,14 @@ from itertools import compress, starmap
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 __all__ = ["KINDS", "PackedField"]
 
 KINDS = ("bytes", "str")
+_ARROW_KINDS = {pa.binary(): "bytes", pa.large_binary(): "bytes", pa.string(): "str",
+                pa.large_string(): "str"}  # fmt: skip
 
 
 class PackedField:
@@ -67,6 +70,24 @@ class PackedField:
         np.cumsum(np.fromiter(lengths, np.int64, len(values)), out=offsets[1:])
         mask = None if valid is None else torch.from_numpy(valid)
         return cls(_uint8_tensor(buffer), torch.from_numpy(offsets), kind, mask)
+
+    @classmethod
+    def from_arrow(cls, array: pa.Array) -> PackedField:
+        """Pack an Arrow binary or string array (``large_`` ones too) from its buffers, with
+        no Python object per value: the same field :meth:`pack` makes of its values. Raises
+        ``TypeError`` for other types."""
+        kind = _ARROW_KINDS.get(array.type)
+        if kind is None:
+            raise TypeError(f"PackedField.from_arrow: a binary or string array, got {array.type}")
+        if array.null_count:  # null slots may hold bytes; pack gives them none
+            return cls.pack(array.to_pylist())
+        wide = array.type in (pa.large_binary(), pa.large_string())
+        _, offsets, data = array.buffers()
+        bounds = np.frombuffer(offsets, np.int64 if wide else np.int32, len(array) + 1,
+                               array.offset * (8 if wide else 4)).astype(np.int64)  # fmt: skip
+        low, high = int(bounds[0]), int(bounds[-1])
+        raw = bytearray(memoryview(data)[low:high]) if high > low else bytearray()
+        return cls(_uint8_tensor(raw), torch.from_numpy(bounds - low), kind, None)
 
     # ------------------------------------------------------------------ reading
 

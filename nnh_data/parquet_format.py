@@ -3,10 +3,11 @@
 A :class:`ParquetReader` keeps the last file it opened (and its parsed footer), so reading a
 shard block after block opens it once. The reader belongs to one pass of one worker: a new
 pass makes a new reader, so a file rewritten between passes is read afresh, and nothing is
-shared between threads or across a fork. Rows are decompressed and converted ``_BATCH`` at a
-time while they are in cache. Numeric and boolean columns come as numpy arrays, except those
-the dataset lists as nullable (a column then has one type in every batch): those, and every
-other type, come as lists of Python values with ``None`` for nulls.
+shared between threads or across a fork. Numeric and boolean columns come as numpy arrays,
+except those the dataset lists as nullable (a column then has one type in every batch): those,
+and every other type, stay Arrow arrays, so the shuffle gathers them in Arrow and text and
+bytes reach a batch as one buffer (:class:`~nnh_data.packed.PackedField`) without a Python
+object per value; per-sample mode turns them into Python values (``None`` for nulls).
 
 >>> reader = ParquetReader()  # doctest: +SKIP
 >>> reader.read(index.shards[0], 0, 10)["__key__"][:2]  # doctest: +SKIP
@@ -24,14 +25,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
-from nnh_data import batching
 from nnh_data.batching import Column, Columns
 from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError, row_group_rows
 
 __all__ = ["ParquetReader"]
-
-_BATCH = 256  # rows decompressed then converted at a time: they stay in cache
-
 
 class ParquetReader:
     """Reads rows ``[start, stop)`` of Parquet shards; see the module docstring.
@@ -59,15 +56,13 @@ class ParquetReader:
         groups = range(first, max(first, int(np.searchsorted(info.offsets, stop))))
         nullable = frozenset(info.nullable) if self.nullable is None else self.nullable
         try:
-            batches = self._file(info, file).iter_batches(
-                _BATCH, row_groups=groups, use_threads=False
-            )
-            parts = _converted(info, batches, start - int(info.offsets[first]), stop - start,
-                               nullable)  # fmt: skip
-        except (pa.ArrowException, OSError, StopIteration) as exc:
+            table = self._file(info, file).read_row_groups(groups, use_threads=False)
+        except (pa.ArrowException, OSError) as exc:
             position = f"row group {first} (sample {start})"
             raise ShardError(info.url, position, f"unreadable Parquet file ({exc!r})") from exc
-        columns = batching.concat(parts) if parts else {}
+        table = table.slice(start - int(info.offsets[first]), stop - start)
+        columns = {name: _values(info, name, column, name in nullable)
+                   for name, column in zip(table.column_names, table.columns)}  # fmt: skip
         if "__key__" not in columns:
             stem = info.url.rsplit("/", 1)[-1].rsplit(".", 1)[0]
             columns["__key__"] = list(map(f"{stem}/".__add__, map(str, range(start, stop))))
@@ -101,30 +96,14 @@ def _group_of(info: ShardInfo, row: int) -> int:
     return int(np.searchsorted(info.offsets, row, "right")) - 1
 
 
-def _converted(
-    info: ShardInfo, batches: Iterable[pa.RecordBatch], skip: int, rows: int, nullable: frozenset
-) -> list[Columns]:
-    """``rows`` rows after the first ``skip`` of ``batches``, converted batch by batch."""
-    parts = []
-    batches = iter(batches)
-    while rows:
-        batch = next(batches)
-        if skip < batch.num_rows:
-            part = batch.slice(skip, rows)
-            names = part.schema.names
-            parts.append({n: _values(info, n, c, n in nullable) for n, c in zip(names, part)})
-            rows -= part.num_rows
-        skip = max(0, skip - batch.num_rows)
-    return parts
-
-
-def _values(info: ShardInfo, name: str, column: pa.Array, as_list: bool) -> Column:
-    """Numeric and boolean columns as numpy, unless ``as_list`` (the column is nullable in the
-    dataset): then, like every other type, a list of Python values (``None`` for nulls)."""
+def _values(info: ShardInfo, name: str, column: pa.ChunkedArray, as_arrow: bool) -> Column:
+    """Numeric and boolean columns as numpy, unless ``as_arrow`` (the column is nullable in the
+    dataset): then, like every other type, an Arrow array, turned into Python values or a
+    :class:`~nnh_data.packed.PackedField` where it is handed out (:mod:`nnh_data.batching`)."""
     kind = column.type
     numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
-    if numeric and not as_list:
+    if numeric and not as_arrow:
         if column.null_count:
             raise StaleIndexError(info.url, f"column {name!r}", "a null the index did not list")
-        return column.to_numpy(zero_copy_only=False)
-    return column.to_pylist()
+        return column.to_numpy()
+    return column.combine_chunks()

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from fsspec.core import url_to_fs
 
-from nnh_data.batching import Columns, columns_of, rows_of
+from nnh_data.batching import Columns, as_list, columns_of, rows_of
 from nnh_data.checks import check_int
 from nnh_data.parquet_format import ParquetReader
 from nnh_data.shard_index import (
@@ -147,10 +147,11 @@ def fetch_shard_range(
     Tar: their byte range in one read (``bytes``). Parquet: their rows as columns, ``__key__``
     added (the file's stem and row number unless the file has a ``__key__`` column); numeric
     and boolean columns as numpy arrays except those named in ``nullable`` (default: the
-    shard's own ``info.nullable``), which come, like every other type, as lists of Python
-    values with ``None`` for nulls. Raises :class:`ShardError` when the shard cannot be read
-    and :class:`StaleIndexError` when it does not match its index. To read many ranges, keep
-    one :class:`ShardReader` (it keeps a Parquet file open between reads).
+    shard's own ``info.nullable``), which come, like every other type, as Arrow arrays
+    (``to_pylist()`` gives their Python values, ``None`` for nulls). Raises
+    :class:`ShardError` when the shard cannot be read and :class:`StaleIndexError` when it does
+    not match its index. To read many ranges, keep one :class:`ShardReader` (it keeps a
+    Parquet file open between reads).
     """
     return ShardReader(storage_options, nullable).fetch(info, start, stop)
 
@@ -165,8 +166,7 @@ def decode_shard_range(
     ``__key__`` (the ``__key__`` column, else the row number in the shard).
     """
     if info.format == "parquet":
-        columns = [c.tolist() if isinstance(c, np.ndarray) else c for c in payload.values()]
-        return iter(rows_of(list(payload), columns))
+        return iter(rows_of(list(payload), list(map(as_list, payload.values()))))
     return iter(_decode_tar(info, payload, start, stop))
 
 
@@ -239,8 +239,8 @@ def decode_shard_columns(
 ) -> Columns:
     """Samples ``[start, stop)`` as columns (:mod:`nnh_data.batching`), in shard order.
 
-    Values are those of :func:`decode_shard_range`, except that Parquet numeric and boolean
-    columns without nulls come as numpy arrays.
+    Values are those of :func:`decode_shard_range`, except that Parquet columns come as read
+    (numeric and boolean columns without nulls as numpy arrays, the others as Arrow arrays).
     """
     if info.format == "parquet":
         return dict(payload)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from nnh_data import stages
+from nnh_data import batching, stages
 from nnh_data.augment import AugmentationConfig, gen_augmentation_params_batch
 from nnh_data.checks import check_choice, check_int
 from nnh_data.error_policy import ON_ERROR, ErrorPolicy
@@ -332,7 +332,7 @@ class ShardedStreamingDataset(IterableDataset):
             f"ShardedStreamingDataset iterated again at epoch {epoch}: the same order and "
             "augmentation parameters as the pass before; call ds.set_epoch(epoch) before each "
             "epoch (a set meant to repeat, for evaluation: ShardedStreamingDataset(..., "
-            "shuffle=False))", RuntimeWarning, stacklevel=3,
+            "shuffle=False))", RuntimeWarning, stacklevel=4,
         )  # fmt: skip
 
     def _parts(self, plan: WorkerPlan, rows: stages.Rows, run: _Pass) -> Iterator[stages.Part]:
@@ -354,7 +354,7 @@ class ShardedStreamingDataset(IterableDataset):
             return LEFT_OUT
         if self.decode is None:
             return tensor_columns(item)
-        return handed_out(self._errors.decoded(self.decode, item))
+        return handed_out(self._errors.decoded(self.decode, batching.without_arrow(item)))
 
     def _skipped(self, label: dict) -> None:
         """Count an unreadable sample as it comes to be handed out."""

@@ -53,3 +53,20 @@ def test_columns_of_is_the_plain_per_key_gather(samples):
     expected = {name: [sample.get(name) for sample in samples] for name in names}
     got = columns_of(samples)
     assert got == expected and list(got) == list(expected)
+
+
+@given(st.lists(st.one_of(st.none(), st.text(max_size=3)), min_size=1, max_size=12), st.data())
+def test_arrow_columns_give_the_values_of_lists(values, data):
+    import pyarrow as pa
+
+    from nnh_data.batching import as_list, without_arrow
+
+    arrow, plain = {"s": pa.array(values, pa.string())}, {"s": list(values)}
+    n = len(values)
+    idx = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=2 * n)), dtype=np.int64)
+    a, b = data.draw(st.integers(0, n)), data.draw(st.integers(0, n))
+    assert as_list(take(arrow, idx)["s"]) == take(plain, idx)["s"]
+    assert as_list(cut(arrow, a, b)["s"]) == cut(plain, a, b)["s"]
+    assert as_list(concat([arrow, cut(arrow, a, b)])["s"]) == values + values[a:b]
+    assert concat([arrow, plain])["s"] == values + values  # mixed: Python values
+    assert without_arrow({"n": arrow})["n"]["s"] == values

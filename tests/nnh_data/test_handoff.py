@@ -139,8 +139,9 @@ def test_rows_collated_from_columns_equal_the_samples_collated(tar_shards, worke
 def test_rows_equal_samples_for_parquet_types(tmp_path):
     table = pa.table({"i32": pa.array(range(9), pa.int32()), "u8": pa.array(range(9), pa.uint8()),
                       "f32": pa.array([0.5] * 9, pa.float32()), "b": [True, False, True] * 3,
-                      "s": list("abcdefghi"), "bin": [b"x"] * 9,
-                      "lst": [[1, 2]] * 9})  # fmt: skip
+                      "s": list("abcdefghé"), "bin": [b"x"] * 9, "lst": [[1, 2]] * 9,
+                      "ls": pa.array(["t"] * 9, pa.large_string()),
+                      "ns": ["a", None, "c"] * 3})  # fmt: skip
     pq.write_table(table, tmp_path / "t.parquet", row_group_size=4)
     _check_rows_equal_samples({"source": str(tmp_path / "t.parquet"), "seed": 1}, batch=4)
 
@@ -154,6 +155,16 @@ def test_rows_equal_samples_when_mixing_and_skipping(tar_shards, parquet_shards)
     with pytest.warns(UserWarning, match="a-000001"):
         ds = _check_rows_equal_samples({"source": sources, "seed": 2, "on_error": "skip"}, batch=4)
     assert ds.error_counts[urls[1]] >= 4
+
+
+def test_parquet_batches_pack_text_and_decode_gets_lists(tmp_path):
+    pq.write_table(pa.table({"s": ["a", "bé", None, "d"], "b": [b"x", b"", b"z", b"w"]}),
+                   tmp_path / "t.parquet")  # fmt: skip
+    (batch,) = ShardedStreamingDataset(str(tmp_path / "t.parquet"), shuffle=False, batch_size=4)
+    assert batch["s"] == ["a", "bé", None, "d"] and batch["b"].tolist() == [b"x", b"", b"z", b"w"]
+    decoded = ShardedStreamingDataset(str(tmp_path / "t.parquet"), shuffle=False, batch_size=4,
+                                      decode=lambda b: (b["s"], b["b"]))  # fmt: skip
+    assert list(decoded) == [(["a", "bé", None, "d"], [b"x", b"", b"z", b"w"])]
 
 
 def test_loader_view_is_the_dataset(tar_shards):
