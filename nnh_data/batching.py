@@ -25,10 +25,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-Column = list | np.ndarray | pa.Array | dict
+Column = list | np.ndarray | pa.Array | pa.ChunkedArray | dict
+ARROW = (pa.Array, pa.ChunkedArray)
 Columns = dict[str, Column]
 
 __all__ = [
+    "ARROW",
     "Columns",
     "as_list",
     "columns_of",
@@ -98,25 +100,25 @@ def take(columns: Columns, indices: np.ndarray) -> Columns:
             out[name] = take(col, indices)
         elif isinstance(col, np.ndarray):
             out[name] = col[indices]
-        elif isinstance(col, pa.Array):
+        elif isinstance(col, ARROW):
             out[name] = col.take(indices)
         else:
             out[name] = list(map(col.__getitem__, positions))
     return out
 
 
-def as_list(column: list | np.ndarray | pa.Array) -> list:
+def as_list(column: Column) -> list:
     """A column's values as a list of Python values."""
     if isinstance(column, np.ndarray):
         return column.tolist()
-    return column.to_pylist() if isinstance(column, pa.Array) else column
+    return column.to_pylist() if isinstance(column, ARROW) else column
 
 
 def without_arrow(columns: Columns) -> Columns:
     """``columns`` with Arrow arrays as lists of Python values (what ``decode`` receives)."""
     return {
         name: without_arrow(col) if isinstance(col, dict) else
-        col.to_pylist() if isinstance(col, pa.Array) else col
+        col.to_pylist() if isinstance(col, ARROW) else col
         for name, col in columns.items()
     }  # fmt: skip
 
@@ -148,11 +150,16 @@ def concat(parts: Sequence[Columns]) -> Columns:
         if all(isinstance(col, dict) for col in cols):
             out[name] = concat(cols)
             continue
-        if all(isinstance(col, pa.Array) for col in cols) and len({c.type for c in cols}) == 1:
-            out[name] = pa.concat_arrays(cols)
+        if all(isinstance(col, ARROW) for col in cols) and len({c.type for c in cols}) == 1:
+            out[name] = pa.chunked_array(_chunks(cols), cols[0].type)
             continue
         merged: list = []
         for col, size in zip(cols, sizes):
             merged += [None] * size if col is None else as_list(col)
         out[name] = merged
     return out
+
+
+def _chunks(columns: Sequence[pa.Array | pa.ChunkedArray]) -> list[pa.Array]:
+    chunked = (col.chunks if isinstance(col, pa.ChunkedArray) else [col] for col in columns)
+    return list(chain.from_iterable(chunked))

@@ -136,7 +136,7 @@ def _as_collated(columns: dict[str, Any]) -> dict[str, Any]:
 def _packed_arrow(column: Any) -> PackedField | None:
     """An Arrow binary or string column packed from its buffers; None for anything else (and
     for a column of nulls only, which stays a list)."""
-    if not isinstance(column, pa.Array) or column.type not in _ARROW_TEXT:
+    if not isinstance(column, batching.ARROW) or column.type not in _ARROW_TEXT:
         return None
     return PackedField.from_arrow(column) if column.null_count < len(column) else None
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterator, Sequence
-from itertools import compress, starmap
+from itertools import starmap
 from typing import Any
 
 import numpy as np
@@ -39,19 +39,32 @@ class PackedField:
 
     ``data``: the values' bytes back to back; ``offsets``: where value ``i`` starts and ends
     (``offsets[i]``, ``offsets[i + 1]``); ``valid``: a bool tensor, False where the value is
-    ``None``, or None when no value is. Build one with :meth:`pack`. For zero-copy access, a
-    value's bytes are ``data[offsets[i]:offsets[i + 1]]`` (for instance for a GPU decoder).
+    ``None``, or None when no value is. Build one with :meth:`pack` or :meth:`from_arrow`. For
+    zero-copy access, a value's bytes are ``data[offsets[i]:offsets[i + 1]]`` (for instance for
+    a GPU decoder). A field packed from values it can keep (``bytes`` or ``str`` objects, an
+    Arrow array) keeps them and builds ``data`` and ``offsets`` when they are first asked for
+    or when it crosses a process boundary, so a batch read where it was made copies nothing.
     """
 
-    __slots__ = ("data", "offsets", "kind", "valid", "_bounds")
+    __slots__ = ("kind", "valid", "_data", "_offsets", "_values", "_bounds")
 
     def __init__(
         self, data: torch.Tensor, offsets: torch.Tensor, kind: str, valid: torch.Tensor | None
     ) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        self.data, self.offsets, self.kind, self.valid = data, offsets, kind, valid
+        self._data, self._offsets, self.kind, self.valid = data, offsets, kind, valid
+        self._values: list | pa.Array | pa.ChunkedArray | None = None
         self._bounds: list[int] | None = None
+
+    @classmethod
+    def _kept(cls, values: Any, kind: str, valid: torch.Tensor | None) -> PackedField:
+        """A field over ``values`` (a list with ``None`` where missing, or an Arrow array
+        without nulls), packed when needed."""
+        field = cls.__new__(cls)
+        field.kind, field.valid, field._values = kind, valid, values
+        field._data = field._offsets = field._bounds = None
+        return field
 
     @classmethod
     def pack(cls, values: Sequence[bytes | str | None]) -> PackedField:
@@ -60,53 +73,86 @@ class PackedField:
         values = list(values)
         valid = None
         if None in values:
-            valid = np.fromiter(map(_is_not_none, values), bool, len(values))
-            first = next(compress(values, valid), b"")
-            empty = "" if isinstance(first, str) else b""
-            values = [empty if v is None else v for v in values]
-        kind = "str" if values and isinstance(values[0], str) else "bytes"
+            valid = torch.from_numpy(np.fromiter(map(_is_not_none, values), bool, len(values)))
+        types = set(map(type, values)) - {type(None)}
+        if types <= {bytes} or types == {str}:
+            return cls._kept(values, "str" if types == {str} else "bytes", valid)
+        return cls._packed(values, valid)
+
+    @classmethod
+    def _packed(cls, values: list, valid: torch.Tensor | None) -> PackedField:
+        """``values`` (``None`` where ``valid`` is False) packed now."""
+        first = next((v for v in values if v is not None), b"")
+        kind = "str" if isinstance(first, str) else "bytes"
+        empty = "" if kind == "str" else b""
+        values = [empty if v is None else v for v in values] if valid is not None else values
         buffer, lengths = _joined_text(values) if kind == "str" else _joined_bytes(values)
         offsets = np.zeros(len(values) + 1, np.int64)
         np.cumsum(np.fromiter(lengths, np.int64, len(values)), out=offsets[1:])
-        mask = None if valid is None else torch.from_numpy(valid)
-        return cls(_uint8_tensor(buffer), torch.from_numpy(offsets), kind, mask)
+        return cls(_uint8_tensor(buffer), torch.from_numpy(offsets), kind, valid)
 
     @classmethod
-    def from_arrow(cls, array: pa.Array) -> PackedField:
-        """Pack an Arrow binary or string array (``large_`` ones too) from its buffers, with
-        no Python object per value: the same field :meth:`pack` makes of its values. Raises
-        ``TypeError`` for other types."""
+    def from_arrow(cls, array: pa.Array | pa.ChunkedArray) -> PackedField:
+        """A field of an Arrow binary or string array (chunked, ``large_`` ones too), packed
+        from its buffers when needed, with no Python object per value: the same field
+        :meth:`pack` makes of its values. Raises ``TypeError`` for other types."""
         kind = _ARROW_KINDS.get(array.type)
         if kind is None:
             raise TypeError(f"PackedField.from_arrow: a binary or string array, got {array.type}")
         if array.null_count:  # null slots may hold bytes; pack gives them none
             return cls.pack(array.to_pylist())
-        wide = array.type in (pa.large_binary(), pa.large_string())
-        _, offsets, data = array.buffers()
-        bounds = np.frombuffer(offsets, np.int64 if wide else np.int32, len(array) + 1,
-                               array.offset * (8 if wide else 4)).astype(np.int64)  # fmt: skip
-        low, high = int(bounds[0]), int(bounds[-1])
-        raw = bytearray(memoryview(data)[low:high]) if high > low else bytearray()
-        return cls(_uint8_tensor(raw), torch.from_numpy(bounds - low), kind, None)
+        return cls._kept(array, kind, None)
+
+    # ------------------------------------------------------------------ packed form
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The values' bytes back to back (uint8)."""
+        if self._data is None:
+            self._pack()
+        return self._data
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """Where each value starts, then where the last one ends (int64)."""
+        if self._offsets is None:
+            self._pack()
+        return self._offsets
+
+    def _pack(self) -> None:
+        values = self._values
+        if isinstance(values, list):
+            packed = PackedField._packed(values, self.valid)
+            self._data, self._offsets = packed._data, packed._offsets
+        else:
+            self._data, self._offsets = _arrow_packed(values)
+        self._values = None
 
     # ------------------------------------------------------------------ reading
 
     def __len__(self) -> int:
-        return self.offsets.numel() - 1
+        return len(self._values) if self._values is not None else self._offsets.numel() - 1
 
     def __getitem__(self, index: int | slice) -> Any:
+        values = self._values
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self))
             if step != 1:
                 raise ValueError(f"a PackedField slice must have step 1, got {index.step}")
             stop = max(start, stop)
             valid = None if self.valid is None else self.valid[start:stop]
-            return PackedField(self.data, self.offsets[start : stop + 1], self.kind, valid)
+            if values is not None:
+                return PackedField._kept(values[start:stop], self.kind, valid)
+            return PackedField(self._data, self._offsets[start : stop + 1], self.kind, valid)
         n = len(self)
         i = operator.index(index)
         i = i + n if i < 0 else i
         if not 0 <= i < n:
             raise IndexError(f"PackedField index {index} out of range for {n} values")
+        if isinstance(values, list):
+            return values[i]
+        if values is not None:
+            return values[i].as_py()
         if self.valid is not None and not self.valid[i]:
             return None
         bounds = self._offsets_list()
@@ -118,6 +164,10 @@ class PackedField:
 
     def tolist(self) -> list:
         """The values as a list of ``bytes`` or ``str`` (``None`` where missing)."""
+        if isinstance(self._values, list):
+            return list(self._values)
+        if self._values is not None:
+            return self._values.to_pylist()
         bounds = self._offsets_list()
         base = bounds[0] if bounds else 0
         raw = self._bytes()[base : bounds[-1] if bounds else 0].tobytes()
@@ -148,7 +198,7 @@ class PackedField:
     __hash__ = None  # mutable content, like a list
 
     def __repr__(self) -> str:
-        shown = self.tolist()[:4] if len(self) <= 64 else self[:4].tolist()
+        shown = self[:4].tolist()
         more = ", ..." if len(self) > 4 else ""
         return f"PackedField({self.kind}, {len(self)} values: {str(shown)[1:-1]}{more})"
 
@@ -214,6 +264,31 @@ def _joined_text(values: list) -> tuple[bytearray, Iterator[int]]:
 def _mixed(values: list, kind: type | tuple[type, ...]) -> str:
     bad = next(v for v in values if not isinstance(v, kind))
     return f"PackedField.pack: values must be all bytes or all str (or None), got {bad!r}"
+
+
+def _arrow_packed(array: pa.Array | pa.ChunkedArray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data and offsets of a binary or string array without nulls, from its buffers."""
+    chunks = array.chunks if isinstance(array, pa.ChunkedArray) else [array]
+    pieces, bounds, base = [], [np.zeros(1, np.int64)], 0
+    for chunk in chunks:
+        offsets = _arrow_offsets(chunk)
+        low, high = int(offsets[0]), int(offsets[-1])
+        if high > low:
+            pieces.append(memoryview(chunk.buffers()[2])[low:high])
+        bounds.append(offsets[1:] - low + base)
+        base += high - low
+    return _uint8_tensor(bytearray().join(pieces)), torch.from_numpy(np.concatenate(bounds))
+
+
+def _arrow_offsets(chunk: pa.Array) -> np.ndarray:
+    """The value offsets of a binary or string array (int64), its slice offset applied."""
+    wide = chunk.type in (pa.large_binary(), pa.large_string())
+    dtype = np.int64 if wide else np.int32
+    buffer = chunk.buffers()[1]
+    if buffer is None:  # an empty array may have no buffers
+        return np.zeros(1, np.int64)
+    itemsize = np.dtype(dtype).itemsize
+    return np.frombuffer(buffer, dtype, len(chunk) + 1, chunk.offset * itemsize).astype(np.int64)
 
 
 def _uint8_tensor(buffer: bytearray) -> torch.Tensor:

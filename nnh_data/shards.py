@@ -91,15 +91,17 @@ class ShardReader:
     time): tar byte ranges in one read each, Parquet rows through a :class:`ParquetReader`
     that keeps the shard being read open. ``nullable``: the Parquet columns to give as lists
     (default: each shard's own ``info.nullable``; a dataset passes the union over its shards,
-    so a column has one type in every batch)."""
+    so a column has one type in every batch); ``arrow``: Parquet columns that are not numpy
+    arrays stay Arrow arrays (for batches)."""
 
     def __init__(
         self,
         storage_options: dict[str, Any] | None = None,
         nullable: Sequence[str] | None = None,
+        arrow: bool = False,
     ) -> None:
-        self.storage_options, self.nullable = storage_options, nullable
-        self._parquet = ParquetReader(storage_options, nullable)
+        self.storage_options, self.nullable, self.arrow = storage_options, nullable, arrow
+        self._parquet = ParquetReader(storage_options, nullable, arrow)
 
     def fetch(
         self, info: ShardInfo, start: int, stop: int, file: BinaryIO | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 
+import pyarrow as pa
 import pytest
 import torch
 from hypothesis import given
@@ -16,16 +17,30 @@ text = st.lists(st.one_of(st.none(), st.text(max_size=6)), max_size=12)
 ascii_text = st.lists(st.text(st.characters(max_codepoint=127), max_size=6), max_size=12)
 
 
+def forms(values: list) -> list[PackedField]:
+    """The field of ``values`` in each of its forms: kept values, packed tensors, and (for
+    values without nulls) an Arrow array kept and packed."""
+    kept = PackedField.pack(values)
+    packed = PackedField(kept.data, kept.offsets, kept.kind, kept.valid)
+    out = [PackedField.pack(values), packed]
+    if None not in values and values:
+        kind = pa.string() if isinstance(values[0], str) else pa.binary()
+        chunks = pa.chunked_array([pa.array(values[:2], kind), pa.array(values[2:], kind)])
+        arrow = PackedField.from_arrow(chunks)
+        out += [arrow, PackedField(arrow.data, arrow.offsets, arrow.kind, arrow.valid)]
+    return out
+
+
 @given(st.one_of(binary, text, ascii_text), st.integers(-15, 15), st.integers(-15, 15))
 def test_packed_values_read_like_the_list(values, start, stop):
-    packed = PackedField.pack(values)
-    assert len(packed) == len(values) and packed.tolist() == values and list(packed) == values
-    assert [packed[i] for i in range(-len(values), len(values))] == values + values
-    assert packed[start:stop].tolist() == values[start:stop] == packed[start:stop]
-    assert pickle.loads(pickle.dumps(packed[start:stop])) == values[start:stop]
-    lengths = [len(v.encode() if isinstance(v, str) else v or b"") for v in values]
-    assert packed.lengths().tolist() == lengths
-    assert packed.data.dtype == torch.uint8 and packed.offsets.dtype == torch.int64
+    for packed in forms(values):
+        assert len(packed) == len(values) and packed.tolist() == values and list(packed) == values
+        assert [packed[i] for i in range(-len(values), len(values))] == values + values
+        assert packed[start:stop].tolist() == values[start:stop] == packed[start:stop]
+        assert pickle.loads(pickle.dumps(packed[start:stop])) == values[start:stop]
+        lengths = [len(v.encode() if isinstance(v, str) else v or b"") for v in values]
+        assert packed.lengths().tolist() == lengths
+        assert packed.data.dtype == torch.uint8 and packed.offsets.dtype == torch.int64
 
 
 def test_kinds_values_and_errors():
