@@ -24,6 +24,7 @@ from nnh_data.loaders import (
     rank_share,
 )
 from nnh_data.mixing import Source, plan_counts
+from nnh_data.packed import PackedField
 from nnh_data.precompute import (
     PrecomputedParams,
     PrecomputeSpec,
@@ -52,6 +53,7 @@ __all__ = [
     "PADDING_MODES",
     "GEOMETRY_NAMES",
     "PARAM_NAMES",
+    "PackedField",
     "AugmentModule",
     "AugmentParams",
     "AugmentationConfig",

@@ -32,11 +32,12 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from nnh_data import stages
+from nnh_data import batching, stages
 from nnh_data.augment import AugmentationConfig, gen_augmentation_params_batch, param_names
 from nnh_data.checks import check_choice, check_int
 from nnh_data.decoders import DECODER_NAMES, SampleDecoder
 from nnh_data.error_policy import ON_ERROR, ErrorPolicy
+from nnh_data.handoff import handed_out, tensor_columns
 from nnh_data.mixing import MixedOrder, Source, SourceDraws, plan_counts, source_seed
 from nnh_data.order import UNEVEN, Intervals, WorkerPlan, base_size, rank_span, worker_plan
 from nnh_data.precompute import PrecomputedParams, load_precomputed_params
@@ -277,6 +278,20 @@ class ShardedStreamingDataset(IterableDataset):
     # ------------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
+        return self._iterate(rows=False)
+
+    def loader_view(self) -> IterableDataset:
+        """This dataset as :func:`~nnh_data.streaming_loader.streaming_loader` hands it to its
+        loader in per-sample mode without ``decode``: the same samples, state and length, each
+        sample a row of columns that :func:`~nnh_data.handoff.collate_rows` batches, so no dict
+        is built per sample. Attributes are this dataset's (``view.set_epoch(...)`` works)."""
+        if self.batch_size is not None or self.decode is not None:
+            raise ValueError("loader_view is for per-sample datasets without decode")
+        return _LoaderView(self)
+
+    def _iterate(self, rows: bool) -> Iterator[Any]:
+        """A pass: samples (or batches, with ``batch_size``); with ``rows``, the samples as
+        rows of columns (:func:`stages.hand_out_rows`)."""
         # Resolved here, not in the generator: StatefulDataLoader snapshots the state right
         # after iter(), before the first item is requested.
         worker, num_workers = worker_info()
@@ -294,9 +309,11 @@ class ShardedStreamingDataset(IterableDataset):
         plan = worker_plan(base, self.world_size, self.rank, num_workers, worker, self.uneven,
                            consumed, self._unit)  # fmt: skip
         self._check_precomputed()
-        rows = stages.SAMPLES if self.batch_size is None else stages.COLUMNS
+        kind = stages.SAMPLES if self.batch_size is None and not rows else stages.COLUMNS
         columns = functools.partial(self._params.columns, epoch=run.epoch)
-        parts = stages.with_parameters(self._parts(plan, rows, run), columns)
+        parts = stages.with_parameters(self._parts(plan, kind, run), columns)
+        if rows:
+            return stages.hand_out_rows(parts, run.progress, self._skipped)
         if self.batch_size is None:
             finish = None if self.decode is None else self._finish
             return stages.hand_out_samples(parts, run.progress, finish, self._skipped)
@@ -317,7 +334,7 @@ class ShardedStreamingDataset(IterableDataset):
             f"ShardedStreamingDataset iterated again at epoch {epoch}: the same order and "
             "augmentation parameters as the pass before; call ds.set_epoch(epoch) before each "
             "epoch (a set meant to repeat, for evaluation: ShardedStreamingDataset(..., "
-            "shuffle=False))", RuntimeWarning, stacklevel=3,
+            "shuffle=False))", RuntimeWarning, stacklevel=4,
         )  # fmt: skip
 
     def _parts(self, plan: WorkerPlan, rows: stages.Rows, run: _Pass) -> Iterator[stages.Part]:
@@ -331,10 +348,15 @@ class ShardedStreamingDataset(IterableDataset):
 
     def _finish(self, item: Any) -> Any:
         """The item as handed out: rows skipped as unreadable dropped (batches), ``decode``
-        applied; ``LEFT_OUT`` when nothing is left."""
-        if self.batch_size is not None and (item := self._errors.readable(item)) is LEFT_OUT:
+        applied (a batch without it as tensors and packed fields, :mod:`nnh_data.handoff`);
+        ``LEFT_OUT`` when nothing is left."""
+        if self.batch_size is None:
+            return self._errors.decoded(self.decode, item)
+        if (item := self._errors.readable(item)) is LEFT_OUT:
             return LEFT_OUT
-        return item if self.decode is None else self._errors.decoded(self.decode, item)
+        if self.decode is None:
+            return tensor_columns(item)
+        return handed_out(self._errors.decoded(self.decode, batching.without_arrow(item)))
 
     def _skipped(self, label: dict) -> None:
         """Count an unreadable sample as it comes to be handed out."""
@@ -345,6 +367,30 @@ class ShardedStreamingDataset(IterableDataset):
     def _check_precomputed(self) -> None:
         """Fail now when the precomputed table does not cover the next pass."""
         self._params.check(self.epoch, self.total_samples)
+
+
+class _LoaderView(IterableDataset):
+    """See :meth:`ShardedStreamingDataset.loader_view`."""
+
+    def __init__(self, dataset: ShardedStreamingDataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[tuple[dict, int]]:
+        return self.dataset._iterate(rows=True)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 @dataclass(frozen=True)
