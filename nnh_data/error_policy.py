@@ -19,9 +19,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
-from nnh_data.batching import Columns, concat, num_rows, take
+from nnh_data.batching import ARROW, Columns, concat, num_rows, take
 from nnh_data.checks import check_choice
 from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError
 from nnh_data.shards import decode_shard_range, decode_tar_each
@@ -151,7 +152,12 @@ class ErrorPolicy:
 
 
 def _unreadable(like: Columns, n: int) -> Columns:
-    """``n`` rows in the columns of ``like`` (zeros in numpy columns, None in lists), flagged
-    unreadable by the caller: the block keeps its column types."""
-    return {name: np.zeros(n, col.dtype) if isinstance(col, np.ndarray) else [None] * n
-            for name, col in like.items()}  # fmt: skip
+    """``n`` rows in the columns of ``like`` (zeros in numpy columns, nulls in Arrow arrays,
+    None in lists), flagged unreadable by the caller: the block keeps its column types."""
+    return {name: _placeholder(col, n) for name, col in like.items()}
+
+
+def _placeholder(column: Any, n: int) -> Any:
+    if isinstance(column, np.ndarray):
+        return np.zeros(n, column.dtype)
+    return pa.nulls(n, column.type) if isinstance(column, ARROW) else [None] * n

