@@ -60,6 +60,7 @@ __all__ = ["ShardedStreamingDataset", "merge_states", "state_from_loader"]
 
 _REMOTE_READAHEAD = 2
 _MIX_CHUNK = 4096  # mixed positions interleaved per part
+_LABEL_CHUNK = 1 << 20  # planned labels computed at a time
 
 
 @dataclass
@@ -269,6 +270,30 @@ class ShardedStreamingDataset(IterableDataset):
         self._shared[0], self._shared[1] = state["epoch"], 0
         self._pending, self._pass = state, None
 
+    def planned_labels(
+        self, states: Sequence[Mapping[str, Any] | None] = (None,)
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """The labels of what this rank hands out in its pass of the current epoch, computed
+        without reading a shard: chunks of ``__index__``, ``__pad__``, ``__source__`` (the
+        source's position) and ``__repeat__``, in no particular order.
+
+        ``states[k]`` is the state worker ``k`` of ``len(states)`` resumes from, as a
+        ``StatefulDataLoader`` restores them (:func:`~nnh_data.resume.loader_states`); one
+        state with every count re-splits what its epoch has left; ``(None,)``: the whole
+        epoch. :class:`~nnh_data.audit.EpochAudit` compares what a loop consumed with it.
+        """
+        mixed = MixedOrder(tuple(self._counts), self.seed, self.epoch)
+        for k, state in enumerate(states):
+            if state is not None:
+                check_matches(check_state(state), self._settings)
+            base, consumed = pass_start(
+                state, total=self.total_samples, uneven=self.uneven, world_size=self.world_size,
+                num_workers=len(states), worker=k, unit=self._unit,
+            )  # fmt: skip
+            plan = worker_plan(base, self.world_size, self.rank, len(states), k, self.uneven,
+                               consumed, self._unit)  # fmt: skip
+            yield from _plan_labels(self._readers, mixed, plan)
+
     # ------------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
@@ -416,6 +441,30 @@ def _worker_parts(
               for lo, hi in plan.positions for a in range(lo, hi, _MIX_CHUNK)]  # fmt: skip
     chunks += [mixed.assign(p, p + 1)[0] for p in plan.pads]
     return stages.mix(streams, chunks, rows)
+
+
+def _plan_labels(
+    readers: list[SourceReader], mixed: MixedOrder, plan: WorkerPlan
+) -> Iterator[dict[str, np.ndarray]]:
+    """The labels of ``plan``'s rows, by source, in chunks of at most ``_LABEL_CHUNK``."""
+    if len(readers) == 1:
+        draws = [(plan.positions, list(plan.pads))]
+    else:
+        draws = _source_draws(mixed, plan)
+    for s, (intervals, pads) in enumerate(draws):
+        source = readers[s].draws
+        spans = [(a, min(a + _LABEL_CHUNK, hi)) for lo, hi in intervals
+                 for a in range(lo, hi, _LABEL_CHUNK)]  # fmt: skip
+        for a, b in spans:
+            yield _labels(s, *source.sample_ids(mixed.epoch, a, b), pad=False)
+        for j in range(0, len(pads), _LABEL_CHUNK):
+            got = [source.sample_ids(mixed.epoch, p, p + 1) for p in pads[j : j + _LABEL_CHUNK]]
+            yield _labels(s, *(np.concatenate(c) for c in zip(*got)), pad=True)
+
+
+def _labels(source: int, ids: np.ndarray, occurrences: np.ndarray, pad: bool) -> dict:
+    return {"__index__": ids, "__pad__": np.full(ids.size, pad),
+            "__source__": np.full(ids.size, source), "__repeat__": occurrences > 0}  # fmt: skip
 
 
 def _source_draws(mixed: MixedOrder, plan: WorkerPlan) -> list[tuple[Intervals, list[int]]]:
