@@ -48,6 +48,7 @@ from nnh_data.resume import (
     state_from_loader,
     workers_iterated_error,
 )
+from nnh_data.second_cut import check_caller
 from nnh_data.seeding import MASK64
 from nnh_data.shard_cache import ShardCache
 from nnh_data.shards import ShardIndex, build_shard_index
@@ -209,6 +210,7 @@ class ShardedStreamingDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Iterate epoch ``epoch`` next, also in persistent DataLoader workers; a new epoch
         starts from its beginning (a resume state loaded for this same epoch is kept)."""
+        check_caller()
         epoch = check_int("epoch", epoch, low=0, high=MASK64)
         if epoch != self.epoch:
             self._shared[0] = epoch
@@ -297,6 +299,7 @@ class ShardedStreamingDataset(IterableDataset):
     # ------------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
+        check_caller()
         # Resolved here, not in the generator: StatefulDataLoader snapshots the state right
         # after iter(), before the first item is requested.
         worker, num_workers = worker_info()
