@@ -1,4 +1,4 @@
-"""The main job (`examples/train_minimal.py`'s model and data) trained with Accelerate.
+"""The main job (``examples/train_minimal.py``'s model and data) trained with Accelerate.
 
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py --cpu
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py --cpu --resume auto

@@ -103,6 +103,7 @@ class ExactlyOnce(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.audit.update(batch)
         self.ids += batch["__index__"][~batch["__pad__"]].tolist()
+        self.epoch = trainer.current_epoch
 
     def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
@@ -123,7 +124,7 @@ class ExactlyOnce(L.Callback):
             os.makedirs(self.record_ids, exist_ok=True)
             path = os.path.join(self.record_ids, f"rank{trainer.global_rank}.jsonl")
             with open(path, "a") as fh:
-                fh.write(json.dumps({"epoch": trainer.current_epoch, "ids": self.ids,
+                fh.write(json.dumps({"epoch": self.epoch, "ids": self.ids,
                                      "step": trainer.global_step}) + "\n")  # fmt: skip
         self.ids = []
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
@@ -302,7 +303,24 @@ class EpochAudit:
                 raise error
             raise RuntimeError(f"EpochAudit: ranks {failed} failed to compute their plan (see "
                                "their errors); no verdict for this epoch")  # fmt: skip
-        return self._verdict(IdSketch(cells).difference(), table)
+        diff = IdSketch(cells).difference()
+        if not diff.exact and table[:, _ROW.index("exact")].all():
+            diff = self._gathered(local)  # every rank named its own: their sum is exact
+        return self._verdict(diff, table)
+
+    def _gathered(self, local: SketchDifference) -> SketchDifference:
+        """The exact difference over all ranks from every rank's named differences: a second
+        collective, only when the sum of the sketches holds too many to name but each rank's
+        own does not (every rank kept a part of its share, say)."""
+        parts: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, (local.extra, local.missing), group=self.group)
+        net: Counter[int] = Counter()
+        for extra, missing in parts:
+            net.update(extra)
+            net.subtract(missing)
+        extra = {e: n for e, n in net.items() if n > 0}
+        missing = {e: -n for e, n in net.items() if n < 0}
+        return SketchDifference(extra, missing, sum(extra.values()), sum(missing.values()), True)
 
     def _all_reduce(
         self, cells: np.ndarray, row: dict[str, int], rank: int, world: int
@@ -501,15 +519,15 @@ def _known(value: Any) -> int | None:
 
 def _totals(diff: SketchDifference, net: int) -> tuple[int | None, int | None]:
     """Missing and repeated samples: exact, or estimates made to agree with the exact net
-    difference (consumed - planned)."""
+    difference ``net`` (consumed - planned = repeated - missing)."""
     if diff.exact:
         return diff.missing_count, diff.extra_count
     if diff.missing_count is None:
         return (-net, 0) if net < 0 else (None, None)
     if not diff.extra:  # none named among the sampled strata: take the net as all missing
         return max(-net, 0), max(net, 0)
-    missing = max(0, round((diff.missing_count + diff.extra_count - net) / 2))
-    return missing, missing + net
+    repeated = max(0, round((diff.missing_count + diff.extra_count + net) / 2))
+    return repeated - net, repeated
 
 
 def _cause(

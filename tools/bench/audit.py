@@ -76,9 +76,9 @@ def large_epoch() -> tuple[ShardedStreamingDataset, list[dict]]:
     dataset = ShardedStreamingDataset(index, seed=0)
     ids = np.concatenate([labels["__index__"] for labels in dataset.planned_labels()])
     ids = np.random.default_rng(0).permutation(ids)  # the loader's order does not matter
-    batches = [{"__index__": torch.from_numpy(chunk), "__pad__": torch.zeros(len(chunk), dtype=bool)}
-               for chunk in np.array_split(ids, LARGE // LARGE_BATCH)]  # fmt: skip
-    return dataset, batches
+    chunks = np.array_split(ids, LARGE // LARGE_BATCH)
+    return dataset, [{"__index__": torch.from_numpy(c), "__pad__": torch.zeros(len(c), dtype=bool)}
+                     for c in chunks]  # fmt: skip
 
 
 def main() -> None:
