@@ -32,12 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_minimal as tm  # noqa: E402  (the main job's data and model)
 
 from nnh_data import (  # noqa: E402
+    EpochAudit,
     ShardedStreamingDataset,
     create_rank_cached_dataloader,
     get_preset,
     streaming_loader,
 )
-from nnh_data.audit import EpochAudit  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

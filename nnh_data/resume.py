@@ -175,8 +175,14 @@ def loader_states(loader_state: Mapping[str, Any]) -> list[dict[str, Any]]:
             "loader_state was taken between snapshots; create the StatefulDataLoader with "
             "snapshot_every_n_steps=1 (the default)"
         )
-    workers = loader_state["_snapshot"]["_worker_snapshots"]
-    return [check_state(workers[f"worker_{k}"]["dataset_state"]) for k in range(len(workers))]
+    workers = loader_state["_snapshot"]["_worker_snapshots"].values()
+    states = [check_state(w["dataset_state"]) for w in workers]
+    return sorted(states, key=_worker_of)
+
+
+def _worker_of(state: Mapping[str, Any]) -> int:
+    """The worker a one-worker state belongs to: the one whose count it holds."""
+    return next(k for k, count in enumerate(state["consumed"]) if count is not None)
 
 
 def next_base(state: Mapping[str, Any] | None, total: int, uneven: str) -> Intervals:
