@@ -15,6 +15,7 @@ from nnh_data.gather import gather_for_metrics
 from nnh_data.loaders import (
     RankCache,
     RankCachedSampler,
+    SharedEpochDataset,
     create_distributed_loader,
     create_rank_cached_dataloader,
     rank_share,
@@ -65,6 +66,7 @@ __all__ = [
     "ShardIndex",
     "ShardInfo",
     "ShardedStreamingDataset",
+    "SharedEpochDataset",
     "Source",
     "StaleIndexError",
     "apply_augmentation",

@@ -1,15 +1,16 @@
 """DataLoaders for map-style datasets under DDP: a plain sharded loader and a rank-cached one.
 
 Design. ``create_distributed_loader`` is a ``DataLoader`` over a ``DistributedSampler`` with
-defaults chosen from the machine (workers per rank, pinned memory on CUDA), logged once.
-``create_rank_cached_dataloader`` reads each rank's share once (:func:`rank_share`: the
-contiguous or interleaved ids of ``DistributedRangeSplitter``, equalised with flagged repeats
-or by dropping), collates it into a :class:`RankCache` (one tensor per field) and serves every
-epoch from memory: a batch is one index operation per field, in the main process, in an order
-that :class:`RankCachedSampler` draws from (seed, epoch, rank). The trade-off: a rank only ever sees
-its own share (the order within it changes each epoch, not the split), and memory holds
-``1 / world_size`` of the dataset; in exchange the dataset's ``__getitem__`` (decoding, disk,
-network) runs once per sample per job instead of once per epoch.
+defaults chosen from the machine (workers per rank, pinned memory on CUDA), logged once; a
+dataset with ``set_epoch`` is wrapped in :class:`SharedEpochDataset`, so the epoch reaches
+persistent workers. ``create_rank_cached_dataloader`` reads each rank's share once
+(:func:`rank_share`: the contiguous or interleaved ids of ``DistributedRangeSplitter``,
+equalised with flagged repeats or by dropping), collates it into a :class:`RankCache` (one
+tensor per field) and serves every epoch from memory: a batch is one index operation per field,
+in the main process, in an order that :class:`RankCachedSampler` draws from (seed, epoch, rank).
+The trade-off: a rank only ever sees its own share (the order within it changes each epoch, not
+the split), and memory holds ``1 / world_size`` of the dataset; in exchange the dataset's
+``__getitem__`` (decoding, disk, network) runs once per sample per job instead of once per epoch.
 
 Sample ids. Dict samples in the rank-cached loader carry ``__index__`` (global sample id) and
 ``__pad__`` (True for the repeats that equalise ranks), as in ``ShardedStreamingDataset``; for
@@ -48,6 +49,7 @@ __all__ = [
     "SPLITS",
     "RankCache",
     "RankCachedSampler",
+    "SharedEpochDataset",
     "create_distributed_loader",
     "create_rank_cached_dataloader",
     "default_num_workers",
@@ -57,7 +59,7 @@ __all__ = [
 
 SPLITS = ("contiguous", "interleaved")
 _CACHE_ORDER_DOMAIN = 0x52414E4B43  # "RANKC": keeps the cache order apart from other streams
-_SAMPLER_KEYS = ("sampler", "batch_sampler", "shuffle")
+_SAMPLER_KEYS = ("sampler", "batch_sampler")
 # DataLoader arguments that only matter with worker processes: the rank-cached loader gives
 # them to its first pass (which reads the dataset) and serves from the cache without workers.
 _WORKER_KEYS = ("num_workers", "prefetch_factor", "worker_init_fn", "multiprocessing_context")
@@ -80,15 +82,19 @@ def create_distributed_loader(
     ``loader_kwargs["drop_last"]`` it drops both the samples that do not divide evenly over the
     ranks (sampler) and the last short batch (loader). Evaluation keeps the dataset order and
     drops nothing (the sampler pads the last ranks with repeats, which ``gather_for_metrics``
-    removes).
+    removes). ``loader_kwargs["shuffle"]`` sets the sampler's shuffle (default: not
+    ``is_eval``). A dataset with ``set_epoch`` comes back wrapped in
+    :class:`SharedEpochDataset` (``loader.dataset.dataset`` is yours), so that its
+    ``set_epoch`` (or ``loader.dataset.set_epoch``) reaches persistent workers too.
     Defaults, each overridden by ``loader_kwargs``: ``num_workers`` from
     :func:`default_num_workers`, ``pin_memory`` on CUDA, ``persistent_workers`` with workers.
     Works without a process group (rank and world size from :func:`nnh_data.topology.dist_info`).
 
     Args:
         dataset: a map-style dataset.
-        loader_kwargs: ``DataLoader`` arguments (``batch_size``, ``collate_fn``, ...); not
-            ``sampler``, ``batch_sampler`` or ``shuffle``, which the sampler decides.
+        loader_kwargs: ``DataLoader`` arguments (``batch_size``, ``collate_fn``, ...);
+            ``shuffle`` and ``drop_last`` go to the sampler; not ``sampler`` or
+            ``batch_sampler``.
         device: where the batches will go; CUDA turns ``pin_memory`` on.
         log_fn: receives one line saying what was chosen.
         is_eval: evaluation order (no shuffle, no drop).
@@ -105,10 +111,12 @@ def create_distributed_loader(
         >>> [len(x) for x, in loader]
         [4, 4, 2]
     """
-    kwargs, drop_last = _loader_kwargs(loader_kwargs, is_eval)
+    kwargs, shuffle, drop_last = _loader_kwargs(loader_kwargs, is_eval)
     rank, world_size = dist_info()
+    if _has_set_epoch(dataset):
+        dataset = SharedEpochDataset(dataset)
     sampler = DistributedSampler(
-        dataset, num_replicas=world_size, rank=rank, shuffle=not is_eval, drop_last=drop_last
+        dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, drop_last=drop_last
     )
     workers, source = default_num_workers()
     if "num_workers" in kwargs:
@@ -119,7 +127,7 @@ def create_distributed_loader(
     loader = DataLoader(dataset, sampler=sampler, drop_last=drop_last, **kwargs)
     log_fn(
         f"distributed loader: rank {rank}/{world_size} reads {len(sampler)} of {len(dataset)} "
-        f"samples, shuffle={not is_eval}, drop_last={drop_last}, "
+        f"samples, shuffle={shuffle}, drop_last={drop_last}, "
         f"batch_size={loader.batch_size}, num_workers={loader.num_workers} ({source}), "
         f"pin_memory={loader.pin_memory}, persistent_workers={loader.persistent_workers}"
     )
@@ -143,20 +151,119 @@ def default_num_workers() -> tuple[int, str]:
     return (cpus or 1) // local, f"{cpus} CPUs / {local} local ranks"
 
 
-def _loader_kwargs(loader_kwargs: Mapping[str, Any] | None, is_eval: bool) -> tuple[dict, bool]:
-    """A copy of ``loader_kwargs`` without ``drop_last``, and the ``drop_last`` to use."""
+def _loader_kwargs(
+    loader_kwargs: Mapping[str, Any] | None, is_eval: bool
+) -> tuple[dict, bool, bool]:
+    """A copy of ``loader_kwargs`` without the sampler's settings, and those settings: the
+    ``shuffle`` (default: not ``is_eval``) and ``drop_last`` to use."""
     kwargs = dict(loader_kwargs or {})
     for key in _SAMPLER_KEYS:
         if key in kwargs:
             raise ValueError(
                 f"loader_kwargs[{key!r}] is not allowed: the loader builds its own sampler "
-                "(training shuffles, evaluation keeps the order; pass is_eval=)"
+                "(set its shuffle and drop_last with those keys, is_eval= for evaluation)"
             )
+    shuffle = bool(kwargs.pop("shuffle", not is_eval))
     drop_last = bool(kwargs.pop("drop_last", False))
     if drop_last and is_eval:
         warnings.warn("drop_last=True is ignored with is_eval=True: evaluation sees every sample",
                       stacklevel=3)  # fmt: skip
-    return kwargs, drop_last and not is_eval
+    return kwargs, shuffle, drop_last and not is_eval
+
+
+class SharedEpochDataset(Dataset):
+    """``dataset`` whose ``set_epoch`` reaches the copies in DataLoader workers.
+
+    A worker holds its own copy of the dataset, made when it starts; a persistent worker keeps
+    it, so a ``set_epoch`` in the main process never reaches it and parameters keyed by epoch
+    would stay at the epoch the workers started in. This wrapper keeps the epoch in a
+    shared-memory tensor (fork and spawn pass it by handle, as ``ShardedStreamingDataset``
+    does) and calls the local copy's ``set_epoch`` before serving the first batch of a new
+    epoch: one integer read per batch. ``dataset``'s own ``set_epoch`` is made to write that
+    tensor too (an attribute set on the instance), so ``ds.set_epoch(e)`` and
+    ``loader.dataset.set_epoch(e)`` both reach the workers; a dataset that takes no attributes
+    (``__slots__``, frozen) is told with a warning to call the wrapper's. Other attributes are
+    read from ``dataset``.
+
+    Example:
+        >>> loader = DataLoader(SharedEpochDataset(ds), batch_size=32, num_workers=4,
+        ...                     persistent_workers=True)  # doctest: +SKIP
+        >>> ds.set_epoch(1)  # the workers serve epoch 1 from the next iter()
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        if not _has_set_epoch(dataset):
+            raise ValueError(f"dataset must have a set_epoch method, got {type(dataset).__name__}")
+        self.dataset = dataset
+        self._epoch = torch.full((1,), -1, dtype=torch.int64).share_memory_()
+        self._applied: int | None = None  # the epoch this process's copy was given
+        _SharedSetEpoch.install(dataset, self._epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Give ``dataset`` the epoch here and, from their next batch, in every worker."""
+        self._epoch[0] = epoch
+        _SharedSetEpoch.plain(self.dataset, epoch)
+        self._applied = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: Any) -> Any:
+        self._follow()
+        return self.dataset[index]
+
+    def __getitems__(self, indices: Sequence[Any]) -> Any:
+        self._follow()
+        getitems = getattr(self.dataset, "__getitems__", None)
+        return getitems(indices) if getitems else [self.dataset[i] for i in indices]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("dataset", "_epoch", "_applied"):
+            raise AttributeError(name)  # not (yet) set: unpickling, copying
+        return getattr(self.dataset, name)
+
+    def _follow(self) -> None:
+        epoch = int(self._epoch[0])
+        if epoch >= 0 and epoch != self._applied:
+            _SharedSetEpoch.plain(self.dataset, epoch)
+            self._applied = epoch
+
+
+def _has_set_epoch(dataset: Dataset) -> bool:
+    """Whether the dataset's class defines ``set_epoch``."""
+    return callable(getattr(type(dataset), "set_epoch", None))
+
+
+class _SharedSetEpoch:
+    """Set on a dataset instance in place of its ``set_epoch``: also writes the epoch into the
+    shared tensor of every :class:`SharedEpochDataset` over it."""
+
+    def __init__(self, dataset: Dataset, method: Callable[[Any, int], Any]) -> None:
+        self.dataset, self.method, self.shared = dataset, method, []
+
+    def __call__(self, epoch: int) -> Any:
+        for shared in self.shared:
+            shared[0] = epoch
+        return self.method(self.dataset, epoch)
+
+    @classmethod
+    def install(cls, dataset: Dataset, shared: torch.Tensor) -> None:
+        note = getattr(dataset, "__dict__", {}).get("set_epoch")
+        if not isinstance(note, cls):
+            note = cls(dataset, type(dataset).set_epoch)
+            try:
+                dataset.set_epoch = note
+            except AttributeError:
+                warnings.warn(f"{type(dataset).__name__} takes no attributes: its own set_epoch "
+                              "does not reach DataLoader workers; call loader.dataset.set_epoch",
+                              RuntimeWarning, stacklevel=4)  # fmt: skip
+                return
+        note.shared.append(shared)
+
+    @classmethod
+    def plain(cls, dataset: Dataset, epoch: int) -> None:
+        """``dataset.set_epoch(epoch)`` as its class defines it, writing no shared tensor."""
+        type(dataset).set_epoch(dataset, epoch)
 
 
 # ---------------------------------------------------------------- the rank-cached loader
@@ -222,7 +329,7 @@ def create_rank_cached_dataloader(
     seed = check_int("seed", seed, low=0)
     if max_bytes is not None:
         max_bytes = check_int("max_bytes", max_bytes, low=0)
-    kwargs, drop_last = _loader_kwargs(loader_kwargs, is_eval)
+    kwargs, shuffle, drop_last = _loader_kwargs(loader_kwargs, is_eval)
     pin = _pin_memory(device, kwargs.pop("pin_memory", pin_memory), on_device)
     first_pass = {key: kwargs.pop(key) for key in _WORKER_KEYS if key in kwargs}
     first_pass.setdefault("num_workers", default_num_workers()[0])
@@ -239,7 +346,7 @@ def create_rank_cached_dataloader(
     cache = RankCache(
         samples, ids, pads, collate=collate_fn is None, device=device if on_device else None
     )
-    sampler = RankCachedSampler(len(cache), seed=seed, shuffle=not is_eval, rank=where[0])
+    sampler = RankCachedSampler(len(cache), seed=seed, shuffle=shuffle, rank=where[0])
     loader = DataLoader(
         cache, sampler=sampler, drop_last=drop_last, pin_memory=pin, num_workers=0,
         collate_fn=collate_fn or _as_collated, **kwargs,
@@ -247,7 +354,7 @@ def create_rank_cached_dataloader(
     log_fn(
         f"rank-cached loader: rank {where[0]}/{where[1]} holds {len(cache)} samples "
         f"({int(pads.sum())} repeats, {split}, uneven={uneven}), {cache.nbytes / 2**20:.1f} MiB "
-        f"{f'on {device}' if on_device else 'in host memory'}, shuffle={not is_eval}, "
+        f"{f'on {device}' if on_device else 'in host memory'}, shuffle={shuffle}, "
         f"drop_last={drop_last}, batch_size={loader.batch_size}, pin_memory={pin}, "
         f"first pass num_workers={first_pass['num_workers']}"
     )

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -171,6 +172,8 @@ class ShardedStreamingDataset(IterableDataset):
         self._shared[0] = epoch
         urls = [info.url for info in self.index.shards]
         self._errors = ErrorPolicy(on_error, urls, self._shared[2:])
+        # The epoch of the last pass started and whether a repeat was warned about (shared).
+        self._passes = torch.tensor([-1, 0], dtype=torch.int64).share_memory_()
         self._readers = _source_readers(
             self.sources, indexes, self._counts, seed=self.seed, window=self.window,
             mixed=self._mixed, errors=self._errors, storage_options=storage_options,
@@ -307,6 +310,7 @@ class ShardedStreamingDataset(IterableDataset):
         state, self._pending = self._pending, None
         if state is not None and state["epoch"] != self.epoch:
             state = None  # set_epoch moved on (seen by a persistent worker)
+        self._note_pass(resumed=state is not None, worker=worker)
         base, consumed = pass_start(
             state, total=self.total_samples, uneven=self.uneven, world_size=self.world_size,
             num_workers=num_workers, worker=worker, unit=self._unit,
@@ -323,6 +327,24 @@ class ShardedStreamingDataset(IterableDataset):
             finish = None if self.decode is None else self._finish
             return stages.hand_out_samples(parts, run.progress, finish, self._skipped)
         return stages.hand_out_batches(parts, self.batch_size, run.progress, self._finish)
+
+    def _note_pass(self, resumed: bool, worker: int) -> None:
+        """Warn once per dataset when a shuffled pass starts at the epoch of the pass before
+        (a hand-written loop that forgot ``set_epoch``): it repeats that order and those
+        parameters. Worker 0 (or the main process) keeps the count for the pass."""
+        if worker != 0:
+            return
+        epoch, (last, warned) = self.epoch, self._passes.tolist()
+        self._passes[0] = epoch
+        if resumed or last != epoch or warned or not self.window:
+            return
+        self._passes[1] = 1
+        warnings.warn(
+            f"ShardedStreamingDataset iterated again at epoch {epoch}: the same order and "
+            "augmentation parameters as the pass before; call ds.set_epoch(epoch) before each "
+            "epoch (a set meant to repeat, for evaluation: ShardedStreamingDataset(..., "
+            "shuffle=False))", RuntimeWarning, stacklevel=3,
+        )  # fmt: skip
 
     def _parts(self, plan: WorkerPlan, rows: stages.Rows, run: _Pass) -> Iterator[stages.Part]:
         """The worker's rows in hand-out order: one source's own, or the sources' mixed.

@@ -12,6 +12,7 @@ from nnh_train.callbacks import (
     TensorBoardLogger,
 )
 from nnh_train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from nnh_train.compat import DataLoaderType, LoggingMode, ModelType
 from nnh_train.dd_helpers import (
     aggregate_loss,
     aggregate_metrics,
@@ -32,6 +33,7 @@ from nnh_train.parallel import (
     parallel_on_all_devices,
     parallelize_on_gpus,
 )
+from nnh_train.run_lock import RunDirLockedError
 from nnh_train.slurm import expand_slurm_nodelist, expand_tasks_per_node
 
 __all__ = [
@@ -40,12 +42,16 @@ __all__ = [
     "CSVLogger",
     "Callback",
     "CheckpointError",
+    "DataLoaderType",
     "DistInfo",
     "EarlyStopping",
+    "LoggingMode",
     "ModelCheckpoint",
+    "ModelType",
     "NNHandler",
     "ParallelExecutor",
     "RankError",
+    "RunDirLockedError",
     "TensorBoardLogger",
     "WorkerError",
     "aggregate_loss",

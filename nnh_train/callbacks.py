@@ -7,7 +7,9 @@ collective (``handler.save`` does). Decisions read only the handler's history an
 ``epoch_logs``, which are identical on every rank by construction (computed from the same gathered
 numbers in the same order), so ranks agree on when to save or stop without exchanging anything, and
 the callbacks keep no state of their own: a resumed run decides as the uninterrupted one would.
-Writers (CSV, TensorBoard) write on rank 0 only and never enter a collective there.
+Writers (CSV, TensorBoard) write on rank 0 only and never enter a collective there. The folders a
+callback writes (``run_dirs``) are locked for the run by the handler, so a second run on one of
+them is refused instead of mixing its files with the first's (:mod:`nnh_train.run_lock`).
 """
 
 from __future__ import annotations
@@ -15,37 +17,64 @@ from __future__ import annotations
 import csv
 import math
 import os
-from typing import TYPE_CHECKING, Any
+import tempfile
+import warnings
+from typing import Any, Protocol
 
 from nnh_data.checks import check_choice, check_int
 
-if TYPE_CHECKING:
-    from nnh_train.handler import NNHandler
-
-__all__ = ["Callback", "CSVLogger", "EarlyStopping", "ModelCheckpoint", "TensorBoardLogger"]
+__all__ = [
+    "Callback",
+    "CSVLogger",
+    "EarlyStopping",
+    "ModelCheckpoint",
+    "TensorBoardLogger",
+    "Trainer",
+]
 
 _MODES = ("min", "max")
+
+
+class Trainer(Protocol):
+    """What the callbacks here read and call on :class:`~nnh_train.NNHandler` (named by this
+    protocol so that this module does not import the handler, which imports it)."""
+
+    rank: int
+    epoch: int
+    step: int
+    step_loss: float
+    epoch_logs: dict[str, Any]
+    should_stop: bool
+
+    def history(self, name: str) -> list[float]: ...
+
+    def save(self, path: str | os.PathLike) -> None: ...
 
 
 class Callback:
     """Base class: override the hooks you need; each receives the handler."""
 
-    def on_train_begin(self, handler: NNHandler) -> None:
+    def on_train_begin(self, handler: Trainer) -> None:
         """Before the first step of :meth:`NNHandler.train` (after a resume is loaded)."""
 
-    def on_epoch_begin(self, handler: NNHandler) -> None:
+    def on_epoch_begin(self, handler: Trainer) -> None:
         """Before the first batch of each epoch; ``handler.epoch`` is the epoch's index."""
 
-    def on_batch_end(self, handler: NNHandler) -> None:
+    def on_batch_end(self, handler: Trainer) -> None:
         """After each optimizer step; ``handler.step`` counts them, ``handler.step_loss`` is the
         step's loss averaged over ranks."""
 
-    def on_epoch_end(self, handler: NNHandler) -> None:
+    def on_epoch_end(self, handler: Trainer) -> None:
         """After an epoch and its validation; ``handler.epoch`` counts the epochs done and
         ``handler.epoch_logs`` holds the epoch's figures."""
 
-    def on_train_end(self, handler: NNHandler) -> None:
+    def on_train_end(self, handler: Trainer) -> None:
         """When :meth:`NNHandler.train` returns normally."""
+
+    def run_dirs(self) -> list[str]:
+        """The folders this callback writes: :meth:`NNHandler.train` locks them on rank 0 for
+        the run, so a second run on one of them is refused (:mod:`nnh_train.run_lock`)."""
+        return []
 
 
 def _improved(value: float, best: float, mode: str, min_delta: float = 0.0) -> bool:
@@ -77,6 +106,9 @@ class ModelCheckpoint(Callback):
             None if every_n_steps is None else check_int("every_n_steps", every_n_steps, low=1)
         )
 
+    def run_dirs(self) -> list[str]:
+        return [self.path]
+
     @property
     def best_path(self) -> str:
         return os.path.join(self.path, "best.pt")
@@ -85,14 +117,14 @@ class ModelCheckpoint(Callback):
     def last_path(self) -> str:
         return os.path.join(self.path, "last.pt")
 
-    def on_train_begin(self, handler: NNHandler) -> None:
+    def on_train_begin(self, handler: Trainer) -> None:
         handler.history(self.monitor)  # an unknown name fails here, before any training
 
-    def on_batch_end(self, handler: NNHandler) -> None:
+    def on_batch_end(self, handler: Trainer) -> None:
         if self.every_n_steps and handler.step % self.every_n_steps == 0:
             handler.save(self.last_path)
 
-    def on_epoch_end(self, handler: NNHandler) -> None:
+    def on_epoch_end(self, handler: Trainer) -> None:
         value = handler.epoch_logs.get(self.monitor)
         earlier = handler.history(self.monitor)[:-1]
         if (
@@ -130,10 +162,10 @@ class EarlyStopping(Callback):
             raise ValueError(f"min_delta must be a number >= 0, got {min_delta!r}")
         self.min_delta = float(min_delta)
 
-    def on_train_begin(self, handler: NNHandler) -> None:
+    def on_train_begin(self, handler: Trainer) -> None:
         handler.history(self.monitor)
 
-    def on_epoch_end(self, handler: NNHandler) -> None:
+    def on_epoch_end(self, handler: Trainer) -> None:
         if handler.epoch_logs.get(self.monitor) is None:
             return
         values = [v for v in handler.history(self.monitor) if not math.isnan(v)]
@@ -146,9 +178,13 @@ class EarlyStopping(Callback):
 
 
 class CSVLogger(Callback):
-    """Append one row per epoch of ``handler.epoch_logs`` to the CSV file ``path`` (rank 0).
+    """One row per epoch of ``handler.epoch_logs`` in the CSV file ``path`` (rank 0).
 
-    A resumed run appends to the same file; the header is written when the file is new.
+    A fresh run (no step taken yet) starts a new file: one left by an earlier run is moved
+    aside to ``<name>.<n>.csv`` (the first free ``n``) with a warning, so rows of two runs never
+    share a header. A resumed run continues the file and drops the rows past the step it
+    resumed at (written by the interrupted run after its checkpoint), so each epoch has one row.
+    When the columns change (a metric added), the file is rewritten under all of them.
 
     Example:
         >>> handler.add_callback(CSVLogger("runs/exp1/history.csv"))
@@ -157,17 +193,72 @@ class CSVLogger(Callback):
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
 
-    def on_epoch_end(self, handler: NNHandler) -> None:
+    def run_dirs(self) -> list[str]:
+        return [os.path.dirname(os.path.abspath(self.path))]
+
+    def on_train_begin(self, handler: Trainer) -> None:
+        if handler.rank != 0 or not os.path.exists(self.path):
+            return
+        if handler.step == 0:
+            aside = _free_name(self.path)
+            os.replace(self.path, aside)
+            warnings.warn(f"CSVLogger: {self.path!r} holds an earlier run's rows and this run is "
+                          f"fresh: moved them to {aside!r}", stacklevel=2)  # fmt: skip
+            return
+        fields, rows = _read_csv(self.path)
+        kept = [row for row in rows if _step_of(row) <= handler.step]
+        if len(kept) < len(rows):
+            _write_csv(self.path, fields, kept)
+
+    def on_epoch_end(self, handler: Trainer) -> None:
         if handler.rank != 0:
             return
-        logs = handler.epoch_logs
-        new = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        with open(self.path, "a", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=list(logs))
-            if new:
-                writer.writeheader()
-            writer.writerow({k: "" if v is None else v for k, v in logs.items()})
+        row = {k: "" if v is None else v for k, v in handler.epoch_logs.items()}
+        fields, rows = _read_csv(self.path, rows=False)
+        if fields and all(name in fields for name in row):
+            with open(self.path, "a", newline="") as fh:
+                csv.DictWriter(fh, fieldnames=fields).writerow(row)
+            return
+        fields, rows = _read_csv(self.path)
+        _write_csv(self.path, fields + [name for name in row if name not in fields], rows + [row])
+
+
+def _read_csv(path: str, rows: bool = True) -> tuple[list[str], list[dict[str, str]]]:
+    """The header and (with ``rows``) the rows of CSV file ``path``; nothing when absent."""
+    if not os.path.exists(path):
+        return [], []
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        return list(reader.fieldnames or []), list(reader) if rows else []
+
+
+def _write_csv(path: str, fields: list[str], rows: list[dict[str, Any]]) -> None:
+    """Replace ``path`` by these rows at once (a temporary file renamed over it)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".csv-", suffix=".tmp")
+    with os.fdopen(handle, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(temporary, path)
+
+
+def _step_of(row: dict[str, str]) -> float:
+    """The ``step`` a row was written at (0 when the row has none: it is kept)."""
+    try:
+        return float(row.get("step") or 0)
+    except ValueError:
+        return 0.0
+
+
+def _free_name(path: str) -> str:
+    """``<stem>.<n><ext>`` beside ``path`` for the first ``n`` not taken."""
+    stem, ext = os.path.splitext(path)
+    n = 1
+    while os.path.exists(f"{stem}.{n}{ext}"):
+        n += 1
+    return f"{stem}.{n}{ext}"
 
 
 class TensorBoardLogger(Callback):
@@ -189,15 +280,18 @@ class TensorBoardLogger(Callback):
         self._writer_class = SummaryWriter
         self._writer: Any = None
 
-    def on_train_begin(self, handler: NNHandler) -> None:
+    def run_dirs(self) -> list[str]:
+        return [self.log_dir]
+
+    def on_train_begin(self, handler: Trainer) -> None:
         if handler.rank == 0:
             self._writer = self._writer_class(self.log_dir)
 
-    def on_batch_end(self, handler: NNHandler) -> None:
+    def on_batch_end(self, handler: Trainer) -> None:
         if self._writer is not None:
             self._writer.add_scalar("step/loss", handler.step_loss, handler.step)
 
-    def on_epoch_end(self, handler: NNHandler) -> None:
+    def on_epoch_end(self, handler: Trainer) -> None:
         if self._writer is None:
             return
         for name, value in handler.epoch_logs.items():
@@ -205,7 +299,7 @@ class TensorBoardLogger(Callback):
                 self._writer.add_scalar(f"epoch/{name}", value, handler.epoch)
         self._writer.flush()
 
-    def on_train_end(self, handler: NNHandler) -> None:
+    def on_train_end(self, handler: Trainer) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None

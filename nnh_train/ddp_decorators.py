@@ -3,7 +3,9 @@
 ``on_rank`` runs a function on some ranks while the others wait in one ``all_gather_object`` of
 the outcome (value or error, pickled beforehand so that pickling cannot fail inside the
 collective): an exception on one rank is raised on every rank within a collective's latency,
-not after the 60-minute timeout. One process per device: :mod:`nnh_train.parallel`.
+not after the 60-minute timeout. One process per device lives in :mod:`nnh_train.parallel`;
+its names are importable from here too, where the original NNHandler's DDP utilities document
+puts them (``from nnh_train.ddp_decorators import ParallelExecutor, parallelize_on_gpus``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import torch.distributed as dist
 from nnh_data.checks import check_int
 from nnh_data.topology import dist_ready
 from nnh_train.outcome import Outcome, pack_error, pack_value
+from nnh_train.parallel import ParallelExecutor, parallel_on_all_devices, parallelize_on_gpus
 
-__all__ = ["on_rank"]
+__all__ = ["ParallelExecutor", "on_rank", "parallel_on_all_devices", "parallelize_on_gpus"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

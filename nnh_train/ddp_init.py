@@ -133,17 +133,20 @@ def get_dist_info() -> DistInfo:
     return True, rank, read_launch_env().local_rank, world_size, device
 
 
-def _should_use_distributed(flag: bool | None) -> bool:
+def _should_use_distributed(use_distributed_flag: bool | None) -> bool:
     """True = require DDP (raise when the environment cannot provide it), False = never,
-    None = when the launcher started several processes and torch.distributed is available."""
-    if flag is not None and not isinstance(flag, bool):
-        raise ValueError(f"use_distributed must be True, False or None, got {flag!r}")
-    if flag is False:
+    None = when the launcher started several processes and torch.distributed is available.
+    (The keyword is the one the original NNHandler's DDP utilities document.)"""
+    if use_distributed_flag is not None and not isinstance(use_distributed_flag, bool):
+        raise ValueError(
+            f"use_distributed must be True, False or None, got {use_distributed_flag!r}"
+        )
+    if use_distributed_flag is False:
         return False
     launch = read_launch_env()
     unlaunched = _slurm_without_srun(os.environ)
     problem = _distributed_problem(launch, unlaunched)
-    if flag:
+    if use_distributed_flag:
         if problem:
             raise RuntimeError(f"use_distributed=True but {problem}")
         return True

@@ -56,7 +56,12 @@ from tqdm.auto import tqdm
 
 from nnh_data.checks import check_choice, check_int
 from nnh_data.gather import gather_for_metrics
-from nnh_data.loaders import RankCache, create_distributed_loader, create_rank_cached_dataloader
+from nnh_data.loaders import (
+    RankCache,
+    SharedEpochDataset,
+    create_distributed_loader,
+    create_rank_cached_dataloader,
+)
 from nnh_data.streaming import ShardedStreamingDataset, state_from_loader
 from nnh_data.streaming_loader import streaming_loader
 from nnh_train.callbacks import Callback, ModelCheckpoint
@@ -67,9 +72,22 @@ from nnh_train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from nnh_train.compat import (
+    ClassOrInstanceMethod,
+    OriginalAPI,
+    OriginalOptions,
+    cache_from_loader_type,
+    is_device,
+    model_from_record,
+    model_record,
+    plot_request,
+    train_precision,
+)
 from nnh_train.dd_helpers import gather_to_rank0
 from nnh_train.ddp_decorators import on_rank
 from nnh_train.ddp_init import get_dist_info, initialize_ddp
+from nnh_train.plots import plot_history
+from nnh_train.run_lock import acquire_run_dirs, release_run_dirs
 
 __all__ = ["PRECISIONS", "PREEMPTED_EXIT_CODE", "NNHandler"]
 
@@ -103,7 +121,7 @@ class _Run:
             check_int("max_steps", self.max_steps, low=0)
 
 
-class NNHandler:
+class NNHandler(OriginalAPI):
     """Train, validate, checkpoint and run inference with one model, alone or under DDP.
 
     Args:
@@ -112,6 +130,12 @@ class NNHandler:
             rank's GPU when CUDA is there, else the CPU.
         use_distributed: True requires DDP, False never starts it, None (default) when launched
             with several processes (``torchrun``, ``srun``); see :func:`~nnh_train.initialize_ddp`.
+        find_unused_parameters: DDP's option for models with parameters that some steps do not
+            use; default the ``DDP_FIND_UNUSED_PARAMETERS`` environment variable, else False.
+        model_kwargs: the model's arguments. The original NNHandler's own options
+            (``model_type``, ``logger_mode``, ``logger_filename``, ``logger_filemode``,
+            ``logger_level``, ``save_model_code``, ``ddp_kwargs``) are taken out and honoured or
+            refused by name (:class:`~nnh_train.compat.OriginalOptions`), never given to the model.
 
     Attributes:
         model: the module as trained (wrapped in ``DistributedDataParallel`` under DDP).
@@ -121,9 +145,12 @@ class NNHandler:
         train_metrics, val_metrics: ``{name: [value per epoch / validation]}``.
         epoch, step: epochs completed (the index of the running one) and optimizer steps done.
         epoch_logs: the last epoch's figures (None for those not computed that epoch).
-        log_fn: where rank 0's log lines go (default ``print``).
+        log_fn: where rank 0's log lines go (default ``print``; ``logger.info`` with
+            ``logger_mode``).
+        logger: the ``logging.Logger`` made from ``logger_mode`` (rank 0), else None.
 
-    ``DDP_FIND_UNUSED_PARAMETERS=1`` turns on DDP's ``find_unused_parameters``.
+    ``handler(x)`` is ``handler.model(x)``; ``handler.eval()`` and ``handler.train()`` (no
+    epochs) switch the model's mode, as ``nn.Module``'s do.
 
     Example:
         >>> handler = NNHandler(nn.Linear, in_features=4, out_features=1)
@@ -138,12 +165,16 @@ class NNHandler:
         model_class_or_instance: nn.Module | Callable[..., nn.Module],
         device: torch.device | str | None = None,
         use_distributed: bool | None = None,
+        find_unused_parameters: bool | None = None,
         **model_kwargs: Any,
     ) -> None:
+        options, model_kwargs = OriginalOptions.split(model_kwargs)
         info = initialize_ddp(use_distributed=use_distributed, device=device) or get_dist_info()
         self.distributed, self.rank, self.local_rank, self.world_size, self.device = info
         self.module = _build_model(model_class_or_instance, model_kwargs).to(self.device)
-        self.model = self._wrapped(self.module)
+        self._model_record = model_record(model_class_or_instance, model_kwargs)
+        self.model = self._wrapped(self.module, find_unused_parameters, options.ddp_kwargs)
+        self.logger = options.logger(self.rank)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.scheduler_interval = "epoch"
@@ -161,7 +192,7 @@ class NNHandler:
         self.step_loss = math.nan
         self.epoch_logs: dict[str, Any] = {}
         self.should_stop = False
-        self.log_fn: Callable[[str], Any] = print
+        self.log_fn: Callable[[str], Any] = print if self.logger is None else self.logger.info
         self._batches_done = 0
         self._sums: list[float] = []  # the running epoch: loss x count, count, metric x count
         self._timing = (math.nan, math.nan)  # the last epoch's seconds and seconds waiting
@@ -178,12 +209,29 @@ class NNHandler:
     def _rank(self) -> int:
         return self.rank
 
-    def _wrapped(self, module: nn.Module) -> nn.Module:
+    def _wrapped(
+        self, module: nn.Module, find_unused: bool | None, ddp_kwargs: Mapping[str, Any]
+    ) -> nn.Module:
         if not self.distributed:
             return module
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        unused = _env_flag("DDP_FIND_UNUSED_PARAMETERS")
-        return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=unused)
+        kwargs = {"device_ids": [self.device.index] if self.device.type == "cuda" else None,
+                  "find_unused_parameters": _env_flag("DDP_FIND_UNUSED_PARAMETERS"),
+                  **ddp_kwargs}  # fmt: skip
+        if find_unused is not None:
+            kwargs["find_unused_parameters"] = bool(find_unused)
+        return DistributedDataParallel(module, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward: ``handler(x)`` is ``handler.model(x)``."""
+        return self.model(*args, **kwargs)
+
+    def eval(self, activate: bool = True, log: bool = False) -> NNHandler:
+        """Put the model in evaluation mode (``activate=False``: training mode); the
+        original NNHandler's signature."""
+        self.model.train(not activate)
+        if log:
+            self._log(f"model set to {'eval' if activate else 'train'} mode")
+        return self
 
     # ------------------------------------------------------------------ configuration
 
@@ -213,6 +261,12 @@ class NNHandler:
 
     def set_loss_fn(self, fn: Callable[..., torch.Tensor]) -> None:
         """``fn(output, target) -> scalar tensor``, the mean over the batch."""
+        if isinstance(fn, type) and issubclass(fn, nn.Module):
+            raise ValueError(
+                f"loss_fn must be a loss, got the class {fn.__name__}: pass an instance, "
+                f"set_loss_fn({fn.__name__}()), or a function such as "
+                "nn.functional.cross_entropy"
+            )
         if not callable(fn):
             raise ValueError(f"loss_fn must be callable, got {fn!r}")
         self.loss_fn = fn
@@ -241,8 +295,10 @@ class NNHandler:
         rank-cached loader with ``cache=True``); a ``ShardedStreamingDataset``
         :func:`~nnh_data.streaming_loader` (batch-aligned worker ranges; a ``StatefulDataLoader``
         whose position checkpoints hold); a ``DataLoader`` is used as is.
-        ``loader_kwargs`` go to the loader.
+        ``loader_kwargs`` go to the loader; ``shuffle`` and ``drop_last`` set the sampler's
+        (the original's ``dataloader_type=DataLoaderType.RANK_CACHED`` is ``cache=True``).
         """
+        cache = cache_from_loader_type(loader_kwargs, cache)
         self.train_loader = self._loader(dataset, batch_size, cache, loader_kwargs, is_eval=False)
 
     def set_val_loader(
@@ -250,6 +306,7 @@ class NNHandler:
         **loader_kwargs: Any,
     ) -> None:  # fmt: skip
         """Validate on ``dataset`` (as :meth:`set_train_loader`, in evaluation order)."""
+        cache = cache_from_loader_type(loader_kwargs, cache)
         self.val_loader = self._loader(dataset, batch_size, cache, loader_kwargs, is_eval=True)
 
     def _loader(
@@ -259,9 +316,14 @@ class NNHandler:
             if batch_size is not None or kwargs or cache:
                 raise ValueError("a DataLoader is used as it is: pass no batch_size, cache or "
                                  "loader arguments with it")  # fmt: skip
+            _warn_epoch_unseen(data)
             return data
         batch_size = check_int("batch_size", batch_size, low=1)
         if isinstance(data, ShardedStreamingDataset) and not cache:
+            if "shuffle" in kwargs:
+                raise ValueError("shuffle is the ShardedStreamingDataset's own: set it with "
+                                 "ShardedStreamingDataset(..., shuffle=), not in the loader "
+                                 "arguments")  # fmt: skip
             return streaming_loader(data, batch_size, **kwargs)
         if isinstance(data, IterableDataset) and not cache:
             raise ValueError(
@@ -277,7 +339,7 @@ class NNHandler:
 
     def train(
         self,
-        epochs: int,
+        epochs: int | bool | None = None,
         validate_every: int = 1,
         precision: str = "fp32",
         gradient_accumulation_steps: int = 1,
@@ -286,8 +348,12 @@ class NNHandler:
         compile: bool | str = False,
         requeue: bool = False,
         preempt_path: str | os.PathLike | None = None,
-    ) -> None:
+        **original_options: Any,
+    ) -> NNHandler | None:
         """Train until ``epochs`` epochs are done in total (a resumed run continues its count).
+
+        ``train()`` and ``train(mode: bool)`` without other arguments switch the model's mode
+        instead, as ``nn.Module.train`` does (and return the handler).
 
         Args:
             epochs: the total number of epochs.
@@ -308,6 +374,9 @@ class NNHandler:
                 :data:`PREEMPTED_EXIT_CODE`; default the ``last.pt`` of the first
                 :class:`~nnh_train.callbacks.ModelCheckpoint`; with neither, signals keep their
                 usual effect.
+            original_options: the original NNHandler's ``train`` options (``use_amp``,
+                ``seed``, ...), honoured or refused by name
+                (:func:`~nnh_train.compat.train_precision`).
 
         Raises:
             FloatingPointError: on every rank, when a loss is NaN or infinite on any rank; no
@@ -317,6 +386,14 @@ class NNHandler:
         ``os._exit`` after flushing stdout and stderr, so ``finally`` blocks and ``atexit``
         hooks do not run (an interpreter shutdown right after a gloo collective can abort).
         """
+        if epochs is None or isinstance(epochs, bool):
+            options = (validate_every, precision, gradient_accumulation_steps, max_steps, resume,
+                       compile, requeue, preempt_path)  # fmt: skip
+            if original_options or options != (1, "fp32", 1, None, None, False, False, None):
+                raise ValueError("train needs epochs (an int) to train; train() and "
+                                 "train(False) without other arguments set the model's mode")
+            return self.eval(epochs is False)
+        precision = train_precision(original_options, precision, self.device)
         run = _Run(epochs, validate_every, precision, gradient_accumulation_steps, max_steps,
                    bool(requeue), self._preempt_path(preempt_path))  # fmt: skip
         self._check_ready()
@@ -324,11 +401,24 @@ class NNHandler:
         if resume is not None:
             self.load_state(resume)
         self.should_stop = False
-        with self._signals(run.preempt_path):
+        with self._run_dirs_locked(), self._signals(run.preempt_path), _unused_parameters_named():
             self._call("on_train_begin")
             while self.epoch < run.epochs and not self.should_stop and self._train_epoch(run):
                 self._end_epoch(run)
             self._call("on_train_end")
+
+    @contextmanager
+    def _run_dirs_locked(self) -> Iterator[None]:
+        """Hold the folders the callbacks write (rank 0 locks them) for the run: a run on a
+        folder that another live run holds is refused, on every rank."""
+        folders = sorted({folder for c in self.callbacks for folder in c.run_dirs()})
+        if folders:
+            on_rank(0)(acquire_run_dirs)(folders)
+        try:
+            yield
+        finally:
+            if folders and self.rank == 0:
+                release_run_dirs(folders)
 
     def _check_ready(self) -> None:
         needed = {"set_optimizer": self.optimizer, "set_loss_fn": self.loss_fn,
@@ -667,6 +757,7 @@ class NNHandler:
             },  # fmt: skip
             "world_size": self.world_size,
             "ranks": shares,
+            **self._model_record,
         }
 
     def load_state(self, path: str | os.PathLike) -> None:
@@ -721,23 +812,27 @@ class NNHandler:
         if live is not None and name in self._pending:
             live.load_state_dict(self._pending.pop(name))
 
-    @classmethod
-    def load(
-        cls,
-        path: str | os.PathLike,
-        model_class_or_instance: nn.Module | Callable[..., nn.Module],
-        device: torch.device | str | None = None,
-        use_distributed: bool | None = None,
-        **model_kwargs: Any,
-    ) -> NNHandler:
-        """A handler for ``model_class_or_instance`` with the state of checkpoint ``path``.
+    @ClassOrInstanceMethod
+    def load(self_or_cls, *args: Any, **kwargs: Any) -> NNHandler:  # noqa: N805
+        """On the class, a new handler with the state of a checkpoint; on a handler, that
+        state loaded into it (:meth:`load_state`), which is returned.
+
+        ``NNHandler.load(path, model_class_or_instance=None, device=None,
+        use_distributed=None, **model_kwargs)``: without a model (or with a device in its
+        place, as the original NNHandler's ``NNHandler.load(path, device)``), the model class
+        and arguments the checkpoint records are used; the class must be imported in this
+        process (the script or package that defines it), since a checkpoint never makes this
+        process import code.
 
         Example:
             >>> handler = NNHandler.load("runs/exp1/best.pt", Net, hidden=64)
+            >>> handler = NNHandler.load("runs/exp1/best.pt", "cuda")  # Net imported
+            >>> handler.load("runs/exp1/last.pt")  # into this handler
         """
-        handler = cls(model_class_or_instance, device, use_distributed, **model_kwargs)
-        handler.load_state(path)
-        return handler
+        if isinstance(self_or_cls, NNHandler):
+            self_or_cls.load_state(*args, **kwargs)
+            return self_or_cls
+        return _load_new(self_or_cls, *args, **kwargs)
 
     # ------------------------------------------------------------------ inference and plots
 
@@ -746,7 +841,7 @@ class NNHandler:
 
         Every rank runs its share (pads dropped); the rows are gathered with
         :func:`~nnh_data.gather.gather_for_metrics`. Call it on every rank; ranks other than 0
-        get ``None``.
+        get ``None``. In one process any ``DataLoader`` works, in the loader's order.
 
         Example:
             >>> outputs = handler.predict(test_set)  # (len(test_set), ...) on rank 0
@@ -758,7 +853,7 @@ class NNHandler:
         with torch.no_grad(), _eval_mode(self.module):
             for batch, size, pads in _counted(iter(loader), _pad_flags(loader), 0):
                 keep = torch.ones(size, dtype=torch.bool) if pads is None else ~pads
-                ids.append(_batch_ids(batch, order, start, size)[keep])
+                ids.append(_batch_ids(batch, order, start, size, self.distributed)[keep])
                 start += size
                 inputs, _ = _split(_to_device(_select(batch, keep), self.device))
                 with self._autocast():
@@ -784,6 +879,10 @@ class NNHandler:
         return self._on_rank0(fn, args, kwargs)
 
     def _on_rank0(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if not callable(fn):
+            raise ValueError(f"fn must be a function of the module, got {fn!r} (the original "
+                             "NNHandler's SDE sample(shape, steps) is not in nnh)")  # fmt: skip
+
         @functools.wraps(fn)
         def run() -> Any:
             with torch.no_grad(), _eval_mode(self.module):
@@ -791,18 +890,33 @@ class NNHandler:
 
         return on_rank(0)(run)() if self.distributed else run()
 
-    def plot_losses(self, path: str | os.PathLike) -> None:
-        """Training and validation loss per epoch, as a PNG at ``path`` (rank 0 writes)."""
-        if self.rank == 0:
-            _save_plot(path, [("loss", self.train_losses, self.val_losses)], self.val_epochs)
+    def plot_losses(
+        self, path: str | os.PathLike | bool | None = None,
+        save_path: str | os.PathLike | None = None, log_y_scale: bool = False,
+    ) -> None:  # fmt: skip
+        """Training and validation loss per epoch, as a PNG at ``path`` (rank 0 writes; its
+        folder is created), or shown without a path. The original NNHandler's arguments work
+        too: ``plot_losses(log_y_scale: bool, save_path=None)``.
 
-    def plot_metrics(self, path: str | os.PathLike) -> None:
-        """One panel per metric, training and validation per epoch, as a PNG (rank 0 writes)."""
+        Example:
+            >>> handler.plot_losses("runs/exp1/loss.png")
+        """
+        path, log_y = plot_request(path, save_path, log_y_scale)
+        if self.rank == 0:
+            panels = [("loss", self.train_losses, self.val_losses)]
+            plot_history(panels, self.val_epochs, path, log_y)
+
+    def plot_metrics(
+        self, path: str | os.PathLike | bool | None = None,
+        save_path: str | os.PathLike | None = None, log_y_scale: bool = False,
+    ) -> None:  # fmt: skip
+        """One panel per metric, training and validation per epoch, as :meth:`plot_losses`."""
+        path, log_y = plot_request(path, save_path, log_y_scale)
         if self.rank == 0 and self.metrics:
             panels = [
                 (name, self.train_metrics[name], self.val_metrics[name]) for name in self.metrics
             ]
-            _save_plot(path, panels, self.val_epochs)
+            plot_history(panels, self.val_epochs, path, log_y)
 
     # ------------------------------------------------------------------ helpers
 
@@ -813,6 +927,24 @@ class NNHandler:
     def _log(self, line: str) -> None:
         if self.rank == 0:
             self.log_fn(line)
+
+
+def _load_new(
+    cls: type[NNHandler], path: str | os.PathLike, model_class_or_instance: Any = None,
+    device: torch.device | str | None = None, use_distributed: bool | None = None,
+    **model_kwargs: Any,
+) -> NNHandler:  # fmt: skip
+    """``NNHandler.load``: a handler for the model given, or the one the checkpoint records."""
+    if is_device(model_class_or_instance):
+        if device is not None:
+            raise ValueError(f"device given twice: {model_class_or_instance!r} and {device!r}")
+        model_class_or_instance, device = None, model_class_or_instance
+    if model_class_or_instance is None:
+        recorded, kwargs = model_from_record(load_checkpoint(path), os.fspath(path))
+        model_class_or_instance, model_kwargs = recorded, {**kwargs, **model_kwargs}
+    handler = cls(model_class_or_instance, device, use_distributed, **model_kwargs)
+    handler.load_state(path)
+    return handler
 
 
 @dataclass
@@ -837,6 +969,37 @@ def _build_model(model: Any, kwargs: dict[str, Any]) -> nn.Module:
             f"model_class_or_instance must be an nn.Module or build one, got {model!r}"
         )
     return built
+
+
+@contextmanager
+def _unused_parameters_named() -> Iterator[None]:
+    """DDP's error for parameters that got no gradient advises an argument of
+    ``DistributedDataParallel``, which the handler builds: name the handler's switches."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "find_unused_parameters" not in str(exc):
+            raise
+        raise RuntimeError(
+            "DDP found parameters that took no part in the loss (PyTorch's message below). "
+            "NNHandler builds DistributedDataParallel itself: pass NNHandler(..., "
+            "find_unused_parameters=True) or set DDP_FIND_UNUSED_PARAMETERS=1 (a walk over the "
+            "autograd graph every step), or use or remove those parameters.\n\n" + str(exc)
+        ) from exc
+
+
+def _warn_epoch_unseen(loader: DataLoader) -> None:
+    """Warn when ``set_epoch`` on the given loader's dataset would not reach its persistent
+    workers (each keeps the copy it started with)."""
+    dataset = loader.dataset
+    shared = isinstance(dataset, (ShardedStreamingDataset, SharedEpochDataset))
+    if loader.persistent_workers and callable(getattr(dataset, "set_epoch", None)) and not shared:
+        warnings.warn(
+            f"the DataLoader's dataset {type(dataset).__name__} has set_epoch, which the "
+            "handler calls every epoch, but its persistent workers keep the epoch they started "
+            "with: give the dataset itself to set_train_loader, or wrap it: "
+            "DataLoader(SharedEpochDataset(dataset), ...)", RuntimeWarning, stacklevel=4,
+        )  # fmt: skip
 
 
 def _env_flag(name: str) -> bool:
@@ -898,12 +1061,19 @@ def _pad_flags(loader: DataLoader) -> np.ndarray | None:
     return flags if flags is not None and flags.any() else None
 
 
-def _batch_ids(batch: Any, order: np.ndarray | None, start: int, size: int) -> torch.Tensor:
+def _batch_ids(
+    batch: Any, order: np.ndarray | None, start: int, size: int, distributed: bool
+) -> torch.Tensor:
+    """The sample ids of a batch: its ``__index__``, the sampler's, or (one process) its
+    positions in the loader's order."""
     if isinstance(batch, Mapping) and "__index__" in batch:
         return torch.as_tensor(batch["__index__"], dtype=torch.int64).reshape(-1)
+    if order is None and not distributed:
+        return torch.arange(start, start + size)
     if order is None:
-        raise ValueError("predict needs sample ids: a map-style dataset, a DataLoader over a "
-                         "DistributedSampler, or dict batches with '__index__'")  # fmt: skip
+        raise ValueError("predict under DDP needs sample ids: a map-style dataset, a "
+                         "DataLoader over a DistributedSampler, or dict batches with "
+                         "'__index__'")  # fmt: skip
     return torch.as_tensor(order[start : start + size])
 
 
@@ -1023,22 +1193,6 @@ def _describe(logs: Mapping[str, Any], epochs: int) -> str:
     speed = logs["samples_per_s"]
     tail = "" if speed is None else f" | {speed:.0f} samples/s, data wait {logs['data_wait']:.0%}"
     return f"epoch {logs['epoch']}/{epochs}: {figures}{tail}"
-
-
-def _save_plot(path: str | os.PathLike, panels: list[tuple], val_epochs: list[int]) -> None:
-    """A PNG with one panel per ``(name, train values, val values)``. matplotlib is imported
-    here, not with nnh_train: it takes a quarter of a second, on every rank."""
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(6, 3 * len(panels)))
-    for axes, (name, train, val) in zip(np.atleast_1d(figure.subplots(len(panels), 1)), panels):
-        axes.plot(range(1, len(train) + 1), train, marker="o", label=f"train {name}")
-        if val:
-            axes.plot(val_epochs, val, marker="o", label=f"val {name}")
-        axes.set_xlabel("epoch")
-        axes.set_ylabel(name)
-        axes.legend()
-    figure.savefig(path)
 
 
 def _exit_now(code: int) -> None:

@@ -124,6 +124,15 @@ def test_corrupt_checkpoint_gives_a_clear_error(data_dir, tmp_path):
     assert "truncated or corrupt" in done.stderr
 
 
+@pytest.mark.timeout(120)
+def test_max_steps_before_the_first_checkpoint_still_writes_the_plots(data_dir, tmp_path):
+    run_dir = tmp_path / "new" / "run"  # the run folder exists only after a save
+    run([sys.executable, str(SCRIPT), *ARGS, "--max-steps", "2", "--data-dir", data_dir,
+         "--run-dir", str(run_dir)], timeout=90)  # fmt: skip
+    assert (run_dir / "loss.png").exists() and (run_dir / "accuracy.png").exists()
+    assert not (run_dir / "last.pt").exists()
+
+
 @pytest.mark.timeout(300)
 def test_two_torchrun_agents_with_a_c10d_rendezvous_train_like_one(reference, data_dir, tmp_path):
     port = free_port()

@@ -19,6 +19,7 @@ from nnh_data import (
     create_distributed_loader,
     create_rank_cached_dataloader,
     gather_for_metrics,
+    gen_augmentation_params,
     rank_share,
     write_shards,
 )
@@ -396,11 +397,62 @@ def test_rank_cached_arguments_are_checked(kwargs, message):
     assert ds.calls == 0
 
 
-@pytest.mark.parametrize("key", ["shuffle", "sampler", "batch_sampler"])
+@pytest.mark.parametrize("key", ["sampler", "batch_sampler"])
 def test_sampler_arguments_are_refused(key):
     for create in (create_distributed_loader, create_rank_cached_dataloader):
         with pytest.raises(ValueError, match=f"loader_kwargs\\['{key}'\\] is not allowed"):
             create(Numbered(), {**BATCH, key: True}, "cpu", quiet)
+
+
+@pytest.mark.parametrize("is_eval", [False, True])
+def test_shuffle_in_the_loader_arguments_sets_the_samplers(is_eval):
+    """``shuffle=`` as every script written for a plain DataLoader passes it."""
+    for shuffle in (False, True):
+        kwargs = {**BATCH, "shuffle": shuffle}
+        _, sampler = create_distributed_loader(Numbered(), kwargs, "cpu", quiet, is_eval=is_eval)
+        assert sampler.shuffle is shuffle
+        _, sampler = create_rank_cached_dataloader(Numbered(), kwargs, "cpu", quiet, is_eval)
+        assert (list(sampler) != list(range(N))) is shuffle
+
+
+class EpochKeyed(Dataset):
+    """Sample i of epoch e: ``(i, gen_augmentation_params(i, epoch=e)["rotation"])``, as a
+    dataset whose augmentation is keyed by the epoch ``set_epoch`` gave it."""
+
+    def __init__(self, size: int = 12) -> None:
+        self.size, self.epoch = size, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[int, float]:
+        return i, gen_augmentation_params(i, base_seed=3, epoch=self.epoch)["rotation"]
+
+
+def _params_by_id(loader) -> dict[int, float]:
+    return {int(i): float(p) for ids, params in loader for i, p in zip(ids, params)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_set_epoch_reaches_persistent_workers(context):
+    kwargs = {"batch_size": 4, "num_workers": 2, "multiprocessing_context": context}
+    ds = EpochKeyed()
+    loader, sampler = create_distributed_loader(ds, kwargs, "cpu", quiet)
+    assert loader.persistent_workers and loader.dataset.dataset is ds
+    seen = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        (ds if epoch != 1 else loader.dataset).set_epoch(epoch)  # the user's object or ours
+        assert ds.epoch == epoch
+        seen.append(_params_by_id(loader))
+        fresh = EpochKeyed()
+        fresh.set_epoch(epoch)
+        assert seen[-1] == _params_by_id(DataLoader(fresh, batch_size=4)), f"epoch {epoch}"
+    assert seen[0] != seen[1] != seen[2] != seen[0]
 
 
 def test_streams_that_cannot_be_cached_fail_early(shard_pattern):
@@ -437,3 +489,28 @@ def test_nbytes_counts_data():
     sample = {"x": torch.zeros(4), "n": 3, "s": "cat", "b": b"ab", "a": np.zeros(3)}
     assert nbytes(sample) == 16 + 8 + 3 + 2 + 24
     assert nbytes([(torch.zeros(2, dtype=torch.int8),)]) == 2
+
+
+class Guarded(Dataset):
+    """A dataset that refuses attributes other than its epoch."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name != "epoch":
+            raise AttributeError(f"{name} is read-only")
+        super().__setattr__(name, value)
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+def test_a_dataset_without_attributes_is_told_to_use_the_wrapper():
+    with pytest.warns(RuntimeWarning, match="Guarded takes no attributes.*loader.dataset"):
+        loader, _ = create_distributed_loader(Guarded(), BATCH, "cpu", quiet)
+    loader.dataset.set_epoch(3)
+    assert loader.dataset.dataset.epoch == 3

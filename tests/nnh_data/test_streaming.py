@@ -8,6 +8,7 @@ worker counts runs workers in-process through the one place that discovers them
 from __future__ import annotations
 
 import os
+import warnings
 from collections import Counter
 
 import pyarrow as pa
@@ -285,3 +286,26 @@ def test_bad_launch_environment_names_the_variable(monkeypatch, tar_shards, env,
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=message):
         ShardedStreamingDataset(tar_shards([2]))
+
+
+def test_a_second_pass_at_the_same_epoch_warns_once(tar_shards, capfd):
+    index = build_shard_index(tar_shards([6, 5]))
+    ds = ShardedStreamingDataset(index, seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, again, third = list(ds), list(ds), list(ds)  # forgot set_epoch
+        ds.set_epoch(1)
+        list(ds), list(ds)
+        repeat = ShardedStreamingDataset(index, shuffle=False)  # meant to repeat
+        list(repeat), list(repeat)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert first == again == third
+    assert len(messages) == 1 and "iterated again at epoch 0" in messages[0]
+    assert "ds.set_epoch(epoch)" in messages[0]
+    workers = ShardedStreamingDataset(index, seed=2)
+    loader = DataLoader(workers, batch_size=None, num_workers=1, persistent_workers=True,
+                        multiprocessing_context="spawn")  # not forked: pytest records warnings
+    for epoch in (0, 0, 0, 1):
+        workers.set_epoch(epoch)
+        list(loader)
+    assert capfd.readouterr().err.count("iterated again at epoch 0") == 1  # from worker 0

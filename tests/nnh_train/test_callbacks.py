@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import ast
+import csv
 import importlib.util
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from nnh_train.callbacks import EarlyStopping, ModelCheckpoint, TensorBoardLogger
+import nnh_train
+from nnh_train.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint, TensorBoardLogger
 from nnh_train.checkpoint import load_checkpoint
 from tests.nnh_train.test_handler import handler
 
@@ -68,3 +72,67 @@ def test_tensorboard_logger_names_the_extra_when_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
     with pytest.raises(ImportError, match=r"pip install 'nnh\[tensorboard\]'"):
         TensorBoardLogger("runs/tb")
+
+
+def csv_rows(path) -> list[dict]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_csv_logger_fresh_run_starts_a_file_and_a_resumed_run_drops_later_rows(tmp_path):
+    path = tmp_path / "metrics.csv"
+    first = handler()
+    first.add_callback(CSVLogger(path))
+    first.train(1)
+    first.save(tmp_path / "epoch1.pt")
+    first.train(3)  # rows of epochs 1, 2, 3; then the run "dies" after epoch 3
+    resumed = handler()
+    resumed.add_callback(CSVLogger(path))
+    resumed.train(3, resume=tmp_path / "epoch1.pt")  # epochs 2 and 3 again
+    rows = csv_rows(path)
+    assert [row["epoch"] for row in rows] == ["1", "2", "3"]
+    assert [float(row["train_loss"]) for row in rows] == resumed.train_losses
+    fresh = handler()
+    fresh.add_callback(CSVLogger(path))
+    with pytest.warns(UserWarning, match="earlier run's rows .* moved them to .*metrics.1.csv"):
+        fresh.train(1)
+    assert len(csv_rows(tmp_path / "metrics.1.csv")) == 3 and len(csv_rows(path)) == 1
+
+
+def test_csv_logger_rewrites_the_file_when_the_columns_change(tmp_path):
+    path = tmp_path / "m.csv"
+    path.write_text("epoch,step,train_loss\n1,5,0.5\n")
+    state = SimpleNamespace(rank=0, step=5, epoch_logs={"epoch": 2, "step": 10, "train_loss": 0.4,
+                                                        "val_loss": None})  # fmt: skip
+    CSVLogger(path).on_epoch_end(state)
+    assert path.read_text().splitlines() == ["epoch,step,train_loss,val_loss", "1,5,0.5,",
+                                             "2,10,0.4,"]  # fmt: skip
+
+
+def imports_of(module: str) -> set[str]:
+    """The nnh_train modules ``module`` imports, also under TYPE_CHECKING."""
+    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nnh_train."):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("nnh_train."))
+    return found
+
+
+def test_nnh_train_modules_import_each_other_without_a_circle():
+    modules = [f"nnh_train.{p.stem}" for p in Path(nnh_train.__file__).parent.glob("*.py")
+               if p.stem != "__init__"]  # fmt: skip
+    graph = {m: imports_of(m) for m in modules}
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, f"import circle: {' -> '.join(path + (module,))}"
+        if module not in done:
+            for imported in graph.get(module, ()):
+                visit(imported, path + (module,))
+            done.add(module)
+
+    for module in modules:
+        visit(module, ())

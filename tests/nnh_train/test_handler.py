@@ -5,13 +5,14 @@ test_handler_preempt.py."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
-from nnh_data import ShardedStreamingDataset
+from nnh_data import ShardedStreamingDataset, SharedEpochDataset
 from nnh_train.callbacks import CSVLogger
 from nnh_train.handler import NNHandler
 from tests.support import Net, data
@@ -213,3 +214,36 @@ def test_argument_errors():
         NNHandler(nn.Linear(2, 1), device="cpu", use_distributed=False, bias=False)
     with pytest.raises(ValueError, match="name must be one of"):
         h.history("val_acc")
+
+
+def test_a_loss_class_is_refused_at_the_call():
+    h = NNHandler(nn.Linear(2, 1), device="cpu", use_distributed=False)
+    fix = r"class CrossEntropyLoss: .*set_loss_fn\(CrossEntropyLoss\(\)\)"
+    with pytest.raises(ValueError, match=fix):
+        h.set_loss_fn(nn.CrossEntropyLoss)
+
+
+def test_predict_over_a_plain_dataloader_in_one_process_keeps_its_order():
+    h = NNHandler(Net, device="cpu", use_distributed=False, dropout=0.0)
+    x = torch.randn(10, 4)
+    got = h.predict(DataLoader(TensorDataset(x), batch_size=3))
+    with torch.no_grad():
+        torch.testing.assert_close(got, h.module(x))
+
+
+class EpochAware(TensorDataset):
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+def test_a_dataloader_whose_workers_miss_set_epoch_is_warned_about():
+    h = NNHandler(Net, device="cpu", use_distributed=False)
+    ds = EpochAware(*data(8).tensors)
+    with pytest.warns(RuntimeWarning, match=r"persistent workers keep the epoch.*SharedEpoch"):
+        h.set_train_loader(DataLoader(ds, batch_size=4, num_workers=1, persistent_workers=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h.set_train_loader(DataLoader(SharedEpochDataset(ds), batch_size=4, num_workers=1,
+                                      persistent_workers=True))  # fmt: skip
+        h.set_train_loader(ds, batch_size=4, num_workers=1)  # wrapped by the handler
+    assert isinstance(h.train_loader.dataset, SharedEpochDataset)

@@ -16,6 +16,7 @@ from nnh_data import write_shards
 from nnh_train.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint
 from nnh_train.checkpoint import load_checkpoint
 from nnh_train.handler import NNHandler
+from nnh_train.run_lock import acquire_run_dirs, release_run_dirs
 from tests.nnh_train.test_handler import Net, data, stream_handler
 from tests.support import run_distributed
 
@@ -134,12 +135,56 @@ def _unused_parameters_flag(rank: int, world_size: int) -> dict:
             found[value] = NNHandler(nn.Linear(2, 1), device="cpu").model.find_unused_parameters
         except ValueError as exc:
             found[value] = str(exc)
+    os.environ["DDP_FIND_UNUSED_PARAMETERS"] = "no"
+    found["argument"] = NNHandler(nn.Linear(2, 1), device="cpu",
+                                  find_unused_parameters=True).model.find_unused_parameters
     del os.environ["DDP_FIND_UNUSED_PARAMETERS"]
     return found
 
 
-def _scenarios(rank: int, world_size: int, folder: str, urls: list[str]) -> dict:
+class HalfUsed(nn.Module):
+    """A model with a parameter that no loss ever uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 1), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _unused_parameters(rank: int, world_size: int) -> dict:
+    """DDP's error names the handler's switch; with it, the same model trains."""
+    found = {}
+    for flag in (None, True):
+        torch.manual_seed(0)
+        h = NNHandler(HalfUsed, device="cpu", find_unused_parameters=flag)
+        h.log_fn = lambda line: None
+        h.set_optimizer(torch.optim.SGD, lr=0.1)
+        h.set_loss_fn(nn.functional.mse_loss)
+        h.set_train_loader(data(16), batch_size=4, num_workers=0)
+        try:
+            h.train(1)
+            found[flag] = h.step
+        except RuntimeError as exc:
+            found[flag] = str(exc)
+    return found
+
+
+def _locked(rank: int, world_size: int, folder: str) -> str:
+    """A run on a folder another process holds: refused on every rank."""
+    h = make(batch_size=4)
+    h.add_callback(ModelCheckpoint(folder))
+    try:
+        h.train(1)
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {exc} (step {h.step})"
+    return "trained"
+
+
+def _scenarios(rank: int, world_size: int, folder: str, urls: list[str], locked: str) -> dict:
     return {
+        "locked": _locked(rank, world_size, locked),
         "unused": _unused_parameters_flag(rank, world_size),
         "frozen": _frozen(rank, world_size),
         "stream": _stream(rank, world_size, folder, urls),
@@ -149,6 +194,7 @@ def _scenarios(rank: int, world_size: int, folder: str, urls: list[str]) -> dict
         "accumulation": _accumulation(rank, world_size),
         "callbacks": _callbacks(rank, world_size, folder),
         "compiled": _compiled(rank, world_size, folder),
+        "unused_error": _unused_parameters(rank, world_size),  # last: DDP's reducer is left broken
     }
 
 
@@ -169,8 +215,17 @@ def urls(tmp_path_factory) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reports(folder, urls) -> list[dict]:
-    return run_distributed(_scenarios, WORLD, folder, urls, timeout=150)
+def locked(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("locked"))
+
+
+@pytest.fixture(scope="module")
+def reports(folder, urls, locked) -> list[dict]:
+    acquire_run_dirs([locked])  # this process holds it while the ranks try
+    try:
+        return run_distributed(_scenarios, WORLD, folder, urls, locked, timeout=150)
+    finally:
+        release_run_dirs([locked])
 
 
 def flat(history: tuple) -> list[list[float]]:
@@ -304,3 +359,23 @@ def test_find_unused_parameters_from_the_environment(reports):
         "DDP_FIND_UNUSED_PARAMETERS must be one of" in found["maybe"]
         and "'maybe'" in found["maybe"]
     )
+    assert found["argument"] is True  # the argument wins over the environment
+
+
+@pytest.mark.timeout(200)
+def test_an_unused_parameter_error_names_the_handlers_switch(reports):
+    for report in reports:
+        error, steps = report["unused_error"][None], report["unused_error"][True]
+        assert "NNHandler(..., find_unused_parameters=True)" in error
+        assert "DDP_FIND_UNUSED_PARAMETERS=1" in error
+        assert steps == 2  # 16 samples, 8 per rank, batches of 4
+
+
+@pytest.mark.timeout(200)
+def test_a_run_on_a_folder_another_run_holds_is_refused_on_every_rank(reports, locked):
+    for report in reports:
+        assert report["locked"].startswith("RankError: ")  # raised on rank 0, on every rank
+        assert f"run directory '{locked}' is in use by another run (pid {os.getpid()}" in (
+            report["locked"]
+        )
+        assert report["locked"].endswith("(step 0)")

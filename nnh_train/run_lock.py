@@ -1,0 +1,102 @@
+"""One run per run directory: a lock that names its owner and ends with it.
+
+Design. Two runs started on one folder would both write it (doubled metric rows, checkpoints of
+whichever saved last), so :meth:`NNHandler.train` locks the folders its callbacks write
+(``Callback.run_dirs``) on rank 0 and a second run is refused with :class:`RunDirLockedError`,
+naming the folder and the owner. The lock is ``fcntl.lockf`` (a POSIX record lock) on
+``<folder>/.nnh-run.lock``: the kernel drops it when the owning process ends, however it ends
+(SIGKILL, a crash), so a dead run never leaves a folder stuck. Unlike ``flock`` (the node-local
+shard cache's lock), a record lock is not inherited by forked children, so the DataLoader workers
+of a killed run do not keep its folder locked until they notice, and NFS serves it to every node,
+so two jobs on different nodes see each other (filesystems mounted with node-local locks, such as
+Lustre's ``localflock``, do not). The file holds the owner's host, pid, Slurm job and start time for
+the message; it is never removed, since removing a lock file races with the next run that opens
+it. Within a process the lock is counted: callbacks sharing a folder, and consecutive ``train``
+calls, take it again. A record lock is released when its process closes any descriptor of the
+file, so only this module opens it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable
+
+__all__ = ["LOCK_NAME", "RunDirLockedError", "acquire_run_dirs", "release_run_dirs"]
+
+LOCK_NAME = ".nnh-run.lock"
+
+_held: dict[str, tuple[int, int]] = {}  # real folder path -> (descriptor, count)
+_guard = threading.Lock()
+
+
+class RunDirLockedError(RuntimeError):
+    """Another live process holds the run directory."""
+
+
+def acquire_run_dirs(folders: Iterable[str | os.PathLike]) -> None:
+    """Lock each folder for this process (created when missing), or lock none of them.
+
+    Raises:
+        RunDirLockedError: a folder is locked by another process; the message names the folder
+            and its owner.
+
+    Example:
+        >>> acquire_run_dirs(["runs/exp1"])  # doctest: +SKIP
+        >>> release_run_dirs(["runs/exp1"])  # doctest: +SKIP
+    """
+    taken: list[str] = []
+    try:
+        for folder in folders:
+            _acquire(folder)
+            taken.append(folder)
+    except BaseException:
+        release_run_dirs(taken)
+        raise
+
+
+def release_run_dirs(folders: Iterable[str | os.PathLike]) -> None:
+    """Undo one :func:`acquire_run_dirs` of each folder; the last one unlocks it."""
+    with _guard:
+        for folder in folders:
+            key = os.path.realpath(folder)
+            fd, count = _held[key]
+            if count > 1:
+                _held[key] = (fd, count - 1)
+            else:
+                del _held[key]
+                os.close(fd)  # drops the record lock
+
+
+def _acquire(folder: str | os.PathLike) -> None:
+    os.makedirs(folder, exist_ok=True)
+    key = os.path.realpath(folder)
+    with _guard:
+        if key in _held:
+            fd, count = _held[key]
+            _held[key] = (fd, count + 1)
+            return
+        fd = os.open(os.path.join(key, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            owner = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirLockedError(
+                f"run directory {os.fspath(folder)!r} is in use by another run ({owner}): two "
+                "runs writing one folder mix their checkpoints and metrics; wait for it to end, "
+                "stop it, or choose another folder"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, _owner().encode(), 0)
+        _held[key] = (fd, 1)
+
+
+def _owner() -> str:
+    job = os.environ.get("SLURM_JOB_ID")
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+    return (f"pid {os.getpid()} on host {socket.gethostname()}"
+            f"{f', Slurm job {job}' if job else ''}, since {started}")  # fmt: skip
