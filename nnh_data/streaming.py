@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ from nnh_data.shards import ShardIndex, build_shard_index
 from nnh_data.source_reader import SourceReader
 from nnh_data.sources import is_local
 from nnh_data.stages import LEFT_OUT, Progress
+from nnh_data.stats import PARAMS_NS, DataStats, Meter
 from nnh_data.topology import built_on_rank0, dist_info, dist_ready, in_worker_process, worker_info
 
 __all__ = ["ShardedStreamingDataset", "merge_states", "state_from_loader"]
@@ -75,6 +77,7 @@ class _Pass:
     num_workers: int
     worker: int
     progress: Progress = field(default_factory=Progress)
+    meter: Meter = field(default_factory=Meter.alone)  # counts for ds.stats()
 
 
 class ShardedStreamingDataset(IterableDataset):
@@ -172,6 +175,8 @@ class ShardedStreamingDataset(IterableDataset):
         self._shared[0] = epoch
         urls = [info.url for info in self.index.shards]
         self._errors = ErrorPolicy(on_error, urls, self._shared[2:])
+        self.data_stats = DataStats()  # what every process reading this dataset counts
+        self._skipped_before = 0
         # The epoch of the last pass started and whether a repeat was warned about (shared).
         self._passes = torch.tensor([-1, 0], dtype=torch.int64).share_memory_()
         self._readers = _source_readers(
@@ -210,10 +215,27 @@ class ShardedStreamingDataset(IterableDataset):
         workers (``on_error="skip"``)."""
         return self._errors.counts()
 
+    def stats(self) -> dict[str, float]:
+        """Where this rank's data time went since the epoch was set, summed over this
+        process and its DataLoader workers: ``samples`` and ``bytes`` read, ``read_s``,
+        ``decode_s``, ``params_s``, ``wait_s`` (the loop's wait, when reported), ``gets``,
+        ``retries``, ``cache_hits``, ``cache_misses``, ``cache_evictions``, ``skipped`` (see
+        :mod:`nnh_data.stats`; :func:`~nnh_data.stats.sum_over_ranks` adds the ranks').
+
+        Example:
+            >>> ds.stats()["read_s"]  # doctest: +SKIP
+            0.42
+        """
+        skipped = sum(self.error_counts.values()) - self._skipped_before
+        return self.data_stats.epoch(skipped)
+
     def set_epoch(self, epoch: int) -> None:
         """Iterate epoch ``epoch`` next, also in persistent DataLoader workers; a new epoch
-        starts from its beginning (a resume state loaded for this same epoch is kept)."""
+        starts from its beginning (a resume state loaded for this same epoch is kept).
+        :meth:`stats` counts from here."""
         check_caller()
+        self.data_stats.start_epoch()
+        self._skipped_before = sum(self.error_counts.values())
         epoch = check_int("epoch", epoch, low=0, high=MASK64)
         if epoch != self.epoch:
             self._shared[0] = epoch
@@ -315,13 +337,14 @@ class ShardedStreamingDataset(IterableDataset):
             state, total=self.total_samples, uneven=self.uneven, world_size=self.world_size,
             num_workers=num_workers, worker=worker, unit=self._unit,
         )  # fmt: skip
-        run = self._pass = _Pass(self.epoch, base, self.world_size, num_workers, worker)
+        run = self._pass = _Pass(self.epoch, base, self.world_size, num_workers, worker,
+                                 meter=self.data_stats.meter(self.cache))  # fmt: skip
         run.progress.consumed = consumed
         plan = worker_plan(base, self.world_size, self.rank, num_workers, worker, self.uneven,
                            consumed, self._unit)  # fmt: skip
         self._check_precomputed()
         rows = stages.SAMPLES if self.batch_size is None else stages.COLUMNS
-        columns = functools.partial(self._params.columns, epoch=run.epoch)
+        columns = functools.partial(self._columns, run.meter, epoch=run.epoch)
         parts = stages.with_parameters(self._parts(plan, rows, run), columns)
         if self.batch_size is None:
             finish = None if self.decode is None else self._finish
@@ -353,14 +376,32 @@ class ShardedStreamingDataset(IterableDataset):
             [(0, self.total_samples)], self.world_size, self.rank, run.num_workers, run.worker,
             self.uneven, 0, self._unit)  # fmt: skip
         return _worker_parts(self._readers, MixedOrder(tuple(self._counts), self.seed, run.epoch),
-                             plan, upcoming, rows, run.num_workers)  # fmt: skip
+                             plan, upcoming, rows, run.num_workers, run.meter)  # fmt: skip
+
+    def _columns(self, meter: Meter, keys: np.ndarray, epoch: int) -> dict[str, np.ndarray]:
+        """A part's parameters (see :class:`_Parameters`), timed; the part is counted."""
+        meter.part(keys.size)
+        began = time.perf_counter_ns()
+        columns = self._params.columns(keys, epoch)
+        meter.add(PARAMS_NS, time.perf_counter_ns() - began)
+        return columns
 
     def _finish(self, item: Any) -> Any:
         """The item as handed out: rows skipped as unreadable dropped (batches), ``decode``
-        applied; ``LEFT_OUT`` when nothing is left."""
+        applied (timed in the parts the pass's meter samples); ``LEFT_OUT`` when nothing is
+        left."""
         if self.batch_size is not None and (item := self._errors.readable(item)) is LEFT_OUT:
             return LEFT_OUT
-        return item if self.decode is None else self._errors.decoded(self.decode, item)
+        if self.decode is None:
+            return item
+        meter = self._pass.meter
+        if not meter.timing:
+            return self._errors.decoded(self.decode, item)
+        began = time.perf_counter_ns()
+        item = self._errors.decoded(self.decode, item)
+        meter.decoded(time.perf_counter_ns() - began, 1 if self.batch_size is None else
+                      self.batch_size)  # fmt: skip
+        return item
 
     def _skipped(self, label: dict) -> None:
         """Count an unreadable sample as it comes to be handed out."""
@@ -448,20 +489,21 @@ def _worker_parts(
     upcoming: WorkerPlan | None,
     rows: stages.Rows,
     num_workers: int,
+    meter: Meter,
 ) -> Iterator[stages.Part]:
     """The parts of ``plan``'s positions: one source's, or each source's draws of the mixed
     epoch read in its own order and interleaved by :func:`stages.mix`. ``upcoming``: the
-    worker's plan of the next epoch, for the cache."""
+    worker's plan of the next epoch, for the cache; ``meter`` counts the reads."""
     epoch = mixed.epoch
     if len(readers) == 1:
         following = None if upcoming is None else (upcoming.positions, upcoming.pads)
         return readers[0].parts(epoch, plan.positions, plan.pads, rows, following=following,
-                                num_workers=num_workers)  # fmt: skip
+                                num_workers=num_workers, meter=meter)  # fmt: skip
     draws = _source_draws(mixed, plan)
     following = [None] * len(readers) if upcoming is None else _source_draws(
         MixedOrder(mixed.counts, mixed.seed, epoch + 1), upcoming)  # fmt: skip
-    streams = [r.parts(epoch, *draws[s], rows, following=following[s], num_workers=num_workers)
-               for s, r in enumerate(readers)]  # fmt: skip
+    streams = [r.parts(epoch, *draws[s], rows, following=following[s], num_workers=num_workers,
+                       meter=meter) for s, r in enumerate(readers)]  # fmt: skip
     chunks = [mixed.assign(a, min(a + _MIX_CHUNK, hi))[0]
               for lo, hi in plan.positions for a in range(lo, hi, _MIX_CHUNK)]  # fmt: skip
     chunks += [mixed.assign(p, p + 1)[0] for p in plan.pads]
