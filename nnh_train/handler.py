@@ -62,6 +62,8 @@ from nnh_data.loaders import (
     create_distributed_loader,
     create_rank_cached_dataloader,
 )
+from nnh_data.stats import describe as describe_data
+from nnh_data.stats import sum_over_ranks
 from nnh_data.streaming import ShardedStreamingDataset, state_from_loader
 from nnh_data.streaming_loader import streaming_loader
 from nnh_train.callbacks import Callback, ModelCheckpoint
@@ -188,6 +190,7 @@ class NNHandler(OriginalAPI):
         self.train_metrics: dict[str, list[float]] = {}
         self.val_metrics: dict[str, list[float]] = {}
         self.val_epochs: list[int] = []
+        self.data_waits: list[float | None] = []  # the share of each epoch spent waiting
         self.epoch = self.step = 0
         self.step_loss = math.nan
         self.epoch_logs: dict[str, Any] = {}
@@ -610,9 +613,13 @@ class NNHandler(OriginalAPI):
             self._validate()
         self._step_epoch_scheduler(validated)
         self.epoch_logs = self._logs(validated)
+        self.data_waits.append(self.epoch_logs["data_wait"])
         self.epoch += 1
         self._batches_done, self._sums = 0, []
         self._log(_describe(self.epoch_logs, run.epochs))
+        if "data_samples" in self.epoch_logs:  # a streaming dataset's figures, over all ranks
+            self._log(describe_data({k[5:]: v for k, v in self.epoch_logs.items()
+                                     if k.startswith("data_") and k != "data_wait"}))
         self._call("on_epoch_end")
 
     def _validate(self) -> None:
@@ -660,6 +667,12 @@ class NNHandler(OriginalAPI):
         seconds, waited = self._timing
         logs["samples_per_s"] = self._sums[1] / seconds if self._sums and seconds > 0 else None
         logs["data_wait"] = waited / seconds if seconds > 0 else None
+        dataset = getattr(self.train_loader, "dataset", None)
+        if isinstance(dataset, ShardedStreamingDataset):  # one all_reduce: every rank's figures
+            wait = 0.0 if math.isnan(waited) else waited
+            data = {**dataset.stats(), "wait_s": wait}
+            data = sum_over_ranks(data) if self.distributed else data
+            logs.update((f"data_{name}", value) for name, value in data.items())
         return logs
 
     def history(self, name: str) -> list[float]:
@@ -754,6 +767,7 @@ class NNHandler(OriginalAPI):
                 "train_metrics": self.train_metrics,
                 "val_metrics": self.val_metrics,
                 "val_epochs": self.val_epochs,
+                "data_waits": self.data_waits,
             },  # fmt: skip
             "world_size": self.world_size,
             "ranks": shares,
@@ -790,6 +804,7 @@ class NNHandler(OriginalAPI):
         self.train_losses, self.val_losses = history["train_losses"], history["val_losses"]
         self.train_metrics, self.val_metrics = history["train_metrics"], history["val_metrics"]
         self.val_epochs = history["val_epochs"]
+        self.data_waits = history.get("data_waits", [None] * len(self.train_losses))
         self._resume = self._rank_resume(state, os.fspath(path))
 
     def _rank_resume(self, state: dict[str, Any], path: str) -> dict[str, Any]:
@@ -894,8 +909,9 @@ class NNHandler(OriginalAPI):
         self, path: str | os.PathLike | bool | None = None,
         save_path: str | os.PathLike | None = None, log_y_scale: bool = False,
     ) -> None:  # fmt: skip
-        """Training and validation loss per epoch, as a PNG at ``path`` (rank 0 writes; its
-        folder is created), or shown without a path. The original NNHandler's arguments work
+        """Training and validation loss per epoch, and below it the share of each epoch spent
+        waiting for batches, as a PNG at ``path`` (rank 0 writes; its folder is created), or
+        shown without a path. The original NNHandler's arguments work
         too: ``plot_losses(log_y_scale: bool, save_path=None)``.
 
         Example:
@@ -904,6 +920,9 @@ class NNHandler(OriginalAPI):
         path, log_y = plot_request(path, save_path, log_y_scale)
         if self.rank == 0:
             panels = [("loss", self.train_losses, self.val_losses)]
+            if any(w is not None for w in self.data_waits):  # beside it, the data wait
+                waits = [math.nan if w is None else w for w in self.data_waits]
+                panels.append(("data wait (share of the epoch)", waits, []))
             plot_history(panels, self.val_epochs, path, log_y)
 
     def plot_metrics(
@@ -1189,6 +1208,7 @@ def _describe(logs: Mapping[str, Any], epochs: int) -> str:
     figures = ", ".join(
         f"{name} {value:.4g}" for name, value in logs.items()
         if value is not None and name not in ("epoch", "step", "samples_per_s", "data_wait")
+        and not name.startswith("data_")
     )  # fmt: skip
     speed = logs["samples_per_s"]
     tail = "" if speed is None else f" | {speed:.0f} samples/s, data wait {logs['data_wait']:.0%}"
