@@ -43,6 +43,7 @@ from nnh_data.topology import dist_ready
 __all__ = ["AuditReport", "EpochAudit", "ExactlyOnceError", "RankAudit"]
 
 _FLUSH_ROWS = 1 << 16  # ids buffered before they are added to the sketch
+_LABELS = ("__index__", "__pad__", "__source__")  # what the audit reads of a batch
 _EXAMPLES = 5
 _ROW = ("error", "rank", "world", "epoch", "fingerprint", "consumed", "pads", "planned",
         "planned_pads", "batches", "max_batch", "missing", "repeated", "exact",
@@ -219,7 +220,7 @@ class EpochAudit:
         rows = _length(batch["__index__"])
         self._batches += 1
         self._max_batch = max(self._max_batch, rows)
-        self._buffer.append(batch)
+        self._buffer.append({key: batch[key] for key in _LABELS if key in batch})  # not data
         self._buffered += rows
         if self._buffered >= _FLUSH_ROWS:
             self._flush()

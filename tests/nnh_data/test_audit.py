@@ -6,6 +6,7 @@ fail on every rank with the numbers and the likely cause."""
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import Counter
 
 import pytest
@@ -222,6 +223,16 @@ def test_a_merged_state_resumes_with_another_world_size(mixed, monkeypatch):
     monkeypatch.delenv("NUM_WORKERS")
     whole = ShardedStreamingDataset(mixed, epoch_size=150, seed=1, shuffle_window=16)
     assert consumed == Counter((s["__source__"], s["__index__"]) for s in whole)
+
+
+def test_the_audit_keeps_ids_not_batches(urls):
+    audit = EpochAudit(ShardedStreamingDataset(urls))
+    image = torch.zeros(8, 3, 64, 64)
+    pads = torch.zeros(8, dtype=torch.bool)
+    audit.update({"image": image, "__index__": torch.arange(8), "__pad__": pads})
+    alive = weakref.ref(image)
+    del image
+    assert alive() is None  # a buffer of 64k ids would otherwise hold 64k images
 
 
 def test_map_style_loaders_in_one_process():
