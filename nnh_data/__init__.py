@@ -2,8 +2,10 @@
 
 from nnh_data.audit import AuditReport, EpochAudit, ExactlyOnceError
 from nnh_data.augment import (
+    GEOMETRY_NAMES,
     PARAM_NAMES,
     AugmentationConfig,
+    crop_box,
     gen_augmentation_params,
     gen_augmentation_params_batch,
     gen_distributed_augmentation_params,
@@ -11,7 +13,9 @@ from nnh_data.augment import (
     list_presets,
     stream_distributed_augmentation_chain,
 )
+from nnh_data.decoders import SampleDecoder
 from nnh_data.gather import gather_for_metrics
+from nnh_data.image_decode import decode_crop
 from nnh_data.loaders import (
     RankCache,
     RankCachedSampler,
@@ -21,6 +25,7 @@ from nnh_data.loaders import (
     rank_share,
 )
 from nnh_data.mixing import Source, plan_counts
+from nnh_data.packed import PackedField
 from nnh_data.precompute import (
     PrecomputedParams,
     PrecomputeSpec,
@@ -47,7 +52,9 @@ from nnh_data.writer import write_shards
 
 __all__ = [
     "PADDING_MODES",
+    "GEOMETRY_NAMES",
     "PARAM_NAMES",
+    "PackedField",
     "AugmentModule",
     "AugmentParams",
     "AugmentationConfig",
@@ -66,6 +73,7 @@ __all__ = [
     "ShardIndex",
     "ShardInfo",
     "ShardedStreamingDataset",
+    "SampleDecoder",
     "SharedEpochDataset",
     "Source",
     "StaleIndexError",
@@ -73,6 +81,8 @@ __all__ = [
     "build_shard_index",
     "create_distributed_loader",
     "create_rank_cached_dataloader",
+    "crop_box",
+    "decode_crop",
     "expand_sources",
     "gather_for_metrics",
     "gen_augmentation_params",

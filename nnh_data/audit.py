@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from nnh_data.id_sketch import IdSketch, SketchDifference, decode, encode
 from nnh_data.loaders import RankCache, RankCachedSampler
 from nnh_data.resume import loader_states
-from nnh_data.streaming import ShardedStreamingDataset
+from nnh_data.streaming import ShardedStreamingDataset, streaming_dataset_of
 from nnh_data.topology import dist_ready
 
 __all__ = ["AuditReport", "EpochAudit", "ExactlyOnceError", "RankAudit"]
@@ -465,11 +465,10 @@ class _LoaderPlan:
 
 
 def _plan_of(data: Any) -> _StreamPlan | _LoaderPlan:
-    if isinstance(data, ShardedStreamingDataset):
-        return _StreamPlan(data)
+    stream = streaming_dataset_of(data)
+    if stream is not None:
+        return _StreamPlan(stream)
     if isinstance(data, DataLoader):
-        if isinstance(data.dataset, ShardedStreamingDataset):
-            return _StreamPlan(data.dataset)
         if isinstance(data.sampler, (DistributedSampler, RankCachedSampler)):
             return _LoaderPlan(data)
         raise ValueError(
@@ -490,7 +489,17 @@ def _plan_of(data: Any) -> _StreamPlan | _LoaderPlan:
 def _length(value: Any) -> int:
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return int(value.shape[0]) if value.ndim else 1
-    return len(value) if isinstance(value, (list, tuple)) else 1
+    return len(value) if hasattr(value, "__len__") and not isinstance(value, str) else 1
+
+
+def _as_array(value: Any) -> np.ndarray:
+    """A label column as a 1-d numpy array: tensors (any device), arrays, lists, or columns
+    with ``tolist()`` (a packed text field)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    elif not isinstance(value, np.ndarray) and hasattr(value, "tolist"):
+        value = value.tolist()
+    return np.asarray(value).reshape(-1)
 
 
 def _column(batches: list[Mapping[str, Any]], key: str) -> np.ndarray | None:
@@ -502,9 +511,7 @@ def _column(batches: list[Mapping[str, Any]], key: str) -> np.ndarray | None:
     if not all(have):
         raise ValueError(f"some batches have {key!r} and others not: give update() the batches "
                          "as the loader yields them")  # fmt: skip
-    values = [b[key] for b in batches]
-    values = [v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v for v in values]
-    return np.concatenate([np.asarray(v).reshape(-1) for v in values])
+    return np.concatenate([_as_array(b[key]) for b in batches])
 
 
 def _local_counts(diff: SketchDifference) -> dict[str, int]:

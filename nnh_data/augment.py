@@ -6,11 +6,28 @@ becomes ``low_j + (high_j - low_j) * u_j`` in the order of ``PARAM_NAMES``. The 
 keyed by (base_seed, epoch, depth) only, so a sample keeps its parameters whatever the number of
 ranks or workers; the rank-aware form adds (rank, world_size), for repeated augmentation where
 several ranks see one sample. Scalar, batch and streaming calls share one code path.
+
+Image geometry (``crop=True`` or ``flip_prob > 0``, as in the ``imagenet`` preset) adds the
+``GEOMETRY_NAMES``: a random-resized crop ``crop_x, crop_y, crop_w, crop_h`` (fractions of the
+image's width and height) and ``flip`` (0 or 1). The crop is torchvision's ``RandomResizedCrop``
+drawn without knowing the image: the image is the unit square, so the area fraction is exact and
+the aspect ratio is relative (``crop_w / crop_h``: the crop's shape in pixels is that ratio times
+the image's own width / height, and a ratio of 1 keeps the image's shape). Ten attempts draw an
+area fraction ``a`` uniformly from ``crop_scale_range`` and a ratio ``r`` log-uniformly from
+``crop_ratio_range``; the first with ``w = sqrt(a r) <= 1`` and ``h = sqrt(a / r) <= 1`` is kept,
+else the fallback of torchvision on a square (the whole image, or the largest centred crop of
+the nearest allowed ratio). Then ``crop_x = u (1 - w)``, ``crop_y = u' (1 - h)`` and
+``flip = u'' < flip_prob``. These come from draws ``2**32 + k`` (``k = 0..22``: ten areas, ten
+ratios, x, y, flip) of the sample's stream, far from draws 0-4 (the five parameters) and from
+the noise draws of :mod:`nnh_data.transforms` (5 on), and with basic IEEE operations only
+(``exp`` by :func:`_exp`), so every machine computes the same bits. :func:`crop_box` turns them
+into a pixel box. Configs without geometry give exactly the columns and numbers they always did.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -19,29 +36,41 @@ from typing import Any
 
 import numpy as np
 
+from nnh_data.batching import rows_of
 from nnh_data.checks import check_int, check_pair
 from nnh_data.ranges import DistributedRangeSplitter
-from nnh_data.seeding import as_sample_ids, sample_seeds, stream_key, uniform_draws
+from nnh_data.seeding import GOLDEN, as_sample_ids, sample_seeds, stream_key, uniform_draws
 
 __all__ = [
+    "GEOMETRY_NAMES",
     "PARAM_NAMES",
     "AugmentationConfig",
+    "crop_box",
     "gen_augmentation_params",
     "gen_augmentation_params_batch",
     "gen_distributed_augmentation_params",
     "get_preset",
     "list_presets",
+    "param_names",
     "stream_distributed_augmentation_chain",
 ]
 
 PARAM_NAMES = ("rotation", "brightness", "noise", "scale", "contrast")
+GEOMETRY_NAMES = ("crop_x", "crop_y", "crop_w", "crop_h", "flip")
+_CROP_ATTEMPTS = 10  # torchvision's RandomResizedCrop
+_GEOMETRY_DRAWS = 2 * _CROP_ATTEMPTS + 3  # areas, ratios, x, y, flip
+_GEOMETRY_FIRST_DRAW = 1 << 32  # far from the parameter (0-4) and noise (5 on) draws
 
 
 @dataclass(frozen=True)
 class AugmentationConfig:
     """Ranges ``(low, high)`` of each parameter and the augmentation depth (part of the stream key).
 
-    Defaults are the ``moderate`` preset.
+    Defaults are the ``moderate`` preset, without image geometry. ``crop=True`` adds a
+    random-resized crop of area fraction in ``crop_scale_range`` and relative aspect ratio in
+    ``crop_ratio_range`` (module docstring); ``flip_prob`` is the probability of a horizontal
+    flip. Either adds the ``GEOMETRY_NAMES`` to the parameters (the whole image when
+    ``crop=False``).
 
     Example:
         >>> cfg = AugmentationConfig(rotation_range=(-10, 10))
@@ -55,26 +84,44 @@ class AugmentationConfig:
     scale_range: tuple[float, float] = (0.8, 1.2)
     contrast_range: tuple[float, float] = (0.7, 1.3)
     augmentation_depth: int = 1
+    crop: bool = False
+    crop_scale_range: tuple[float, float] = (0.08, 1.0)
+    crop_ratio_range: tuple[float, float] = (3 / 4, 4 / 3)
+    flip_prob: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in PARAM_NAMES:
-            field = f"{name}_range"
+        for field in (*(f"{name}_range" for name in PARAM_NAMES), *_GEOMETRY_RANGES):
             object.__setattr__(self, field, check_pair(field, getattr(self, field)))
         _check_low_bound("scale_range", self.scale_range, 0.0, strict=True)
         for field in ("noise_range", "brightness_range", "contrast_range"):
             _check_low_bound(field, getattr(self, field), 0.0, strict=False)
         depth = check_int("augmentation_depth", self.augmentation_depth, low=1)
         object.__setattr__(self, "augmentation_depth", depth)
+        _check_geometry(self)
+
+    @property
+    def geometry(self) -> bool:
+        """Whether the parameters hold the ``GEOMETRY_NAMES`` (a crop or a flip)."""
+        return self.crop or self.flip_prob > 0
 
     def ranges(self) -> tuple[tuple[float, float], ...]:
         """The five ranges in ``PARAM_NAMES`` order."""
         return tuple(getattr(self, f"{name}_range") for name in PARAM_NAMES)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict (lists for pairs) that ``from_dict`` turns back into this config."""
-        return {
+        """A JSON-safe dict (lists for pairs) that ``from_dict`` turns back into this config.
+
+        The geometry fields are left out while they hold their defaults, so a config without
+        geometry is described as before they existed (stored tables keep their description).
+        """
+        out = {
             k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
         }
+        defaults = (_DEFAULT_CROP_SCALE, _DEFAULT_CROP_RATIO)
+        if not self.geometry and (self.crop_scale_range, self.crop_ratio_range) == defaults:
+            for field in _GEOMETRY_FIELDS:
+                del out[field]
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> AugmentationConfig:
@@ -86,17 +133,41 @@ class AugmentationConfig:
         return cls(**data)
 
 
+_GEOMETRY_RANGES = ("crop_scale_range", "crop_ratio_range")
+_GEOMETRY_FIELDS = ("crop", *_GEOMETRY_RANGES, "flip_prob")
+_DEFAULT_CROP_SCALE, _DEFAULT_CROP_RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
+
+
 def _check_low_bound(field: str, pair: tuple[float, float], bound: float, *, strict: bool) -> None:
     if pair[0] < bound or (strict and pair[0] == bound):
         rule = ">" if strict else ">="
         raise ValueError(f"{field} must have low {rule} {bound}, got {pair!r}")
 
 
+def _check_geometry(cfg: AugmentationConfig) -> None:
+    if not isinstance(cfg.crop, bool):
+        raise ValueError(f"crop must be True or False, got {cfg.crop!r}")
+    low, high = cfg.crop_scale_range
+    if not 0 < low or high > 1:
+        raise ValueError(f"crop_scale_range must lie in (0, 1], got {cfg.crop_scale_range!r}")
+    _check_low_bound("crop_ratio_range", cfg.crop_ratio_range, 0.0, strict=True)
+    try:
+        flip = float(cfg.flip_prob)
+    except (TypeError, ValueError):
+        flip = math.nan
+    if isinstance(cfg.flip_prob, bool) or not 0 <= flip <= 1:
+        raise ValueError(f"flip_prob must be a number in [0, 1], got {cfg.flip_prob!r}")
+    object.__setattr__(cfg, "flip_prob", flip)
+
+
+_NO_CHANGE = ((0.0, 0.0), (1.0, 1.0), (0.0, 0.0), (1.0, 1.0), (1.0, 1.0))
 _PRESETS = MappingProxyType(
     {
         "mild": AugmentationConfig((-15, 15), (0.9, 1.1), (0, 0.05), (0.9, 1.1), (0.85, 1.15)),
         "moderate": AugmentationConfig(),
         "aggressive": AugmentationConfig((-45, 45), (0.7, 1.3), (0, 0.15), (0.7, 1.3), (0.6, 1.4)),
+        # the standard ImageNet training geometry, and no photometric change
+        "imagenet": AugmentationConfig(*_NO_CHANGE, crop=True, flip_prob=0.5),
     }
 )
 
@@ -107,7 +178,8 @@ def list_presets() -> list[str]:
 
 
 def get_preset(name: str) -> AugmentationConfig:
-    """The preset config called ``name`` (``mild``, ``moderate`` or ``aggressive``); immutable."""
+    """The preset config called ``name`` (``mild``, ``moderate``, ``aggressive`` or ``imagenet``:
+    the random-resized crop and a flip with probability 1/2, no photometric change); immutable."""
     if name not in _PRESETS:
         raise ValueError(f"name must be one of {list_presets()}, got {name!r}")
     return _PRESETS[name]
@@ -123,6 +195,13 @@ def _config(config: AugmentationConfig | None) -> AugmentationConfig:
     return config
 
 
+def param_names(config: AugmentationConfig | None = None) -> tuple[str, ...]:
+    """The parameter columns of ``config`` (None: ``moderate``): ``PARAM_NAMES``, then the
+    ``GEOMETRY_NAMES`` when it has image geometry."""
+    cfg = _config(config)
+    return (*PARAM_NAMES, *GEOMETRY_NAMES) if cfg.geometry else PARAM_NAMES
+
+
 def gen_augmentation_params_batch(
     sample_ids: Sequence[int] | np.ndarray,
     rank: int = 0,
@@ -134,8 +213,9 @@ def gen_augmentation_params_batch(
 ) -> dict[str, np.ndarray]:
     """Parameters of many samples at once, as columns (one array per key).
 
-    Keys: the float64 columns of ``PARAM_NAMES``, and int64 ``sample_id``, ``rank``, ``epoch``
-    and uint64 ``seed`` (the integer of the scalar functions' hex ``seed``). With
+    Keys: the float64 columns of ``PARAM_NAMES`` (then, with image geometry, float64 ``crop_x``,
+    ``crop_y``, ``crop_w``, ``crop_h`` and int64 ``flip``), and int64 ``sample_id``, ``rank``,
+    ``epoch`` and uint64 ``seed`` (the integer of the scalar functions' hex ``seed``). With
     ``rank_aware=False`` the numbers are those of ``gen_augmentation_params`` (rank and
     world_size only checked and reported); else those of ``gen_distributed_augmentation_params``.
 
@@ -157,6 +237,8 @@ def gen_augmentation_params_batch(
     for row, name, (low, _) in zip(draws, PARAM_NAMES, ranges):
         row += low
         out[name] = row
+    if cfg.geometry:
+        out.update(_geometry(seeds, cfg))
     out["sample_id"] = ids
     out["rank"] = np.full(ids.shape, rank, dtype=np.int64)
     out["epoch"] = np.full(ids.shape, epoch, dtype=np.int64)
@@ -164,30 +246,99 @@ def gen_augmentation_params_batch(
     return out
 
 
-def _row(
-    rotation: float, brightness: float, noise: float, scale: float, contrast: float,
-    sample_id: int, rank: int, epoch: int, seed: str,
-) -> dict[str, Any]:  # fmt: skip
-    """One sample's dict: ``PARAM_NAMES``, then sample_id, rank, epoch and seed."""
-    # A dict display is built presized in one step: about twice as fast as dict(zip(keys, ...)).
-    return {"rotation": rotation, "brightness": brightness, "noise": noise, "scale": scale,
-            "contrast": contrast, "sample_id": sample_id, "rank": rank, "epoch": epoch,
-            "seed": seed}  # fmt: skip
+def _geometry(seeds: np.ndarray, cfg: AugmentationConfig) -> dict[str, np.ndarray]:
+    """The crop and flip columns of ``seeds`` (the algorithm of the module docstring)."""
+    first = seeds + np.uint64((_GEOMETRY_FIRST_DRAW * GOLDEN) % (1 << 64))
+    u = uniform_draws(first, _GEOMETRY_DRAWS)
+    n = _CROP_ATTEMPTS
+    if cfg.crop:
+        (a_low, a_high), (r_low, r_high) = cfg.crop_scale_range, cfg.crop_ratio_range
+        area = a_low + (a_high - a_low) * u[:n]
+        log_low, log_high = math.log(r_low), math.log(r_high)
+        ratio = _exp(log_low + (log_high - log_low) * u[n : 2 * n])
+        w, h = np.sqrt(area * ratio), np.sqrt(area / ratio)
+        fits = (w <= 1) & (h <= 1)
+        first_fit = np.argmax(fits, axis=0)  # the first attempt that fits (0 when none does)
+        columns = np.arange(u.shape[1])
+        fallback = _fallback(r_low, r_high)
+        found = fits.any(axis=0)
+        w = np.where(found, w[first_fit, columns], fallback[0])
+        h = np.where(found, h[first_fit, columns], fallback[1])
+    else:
+        w = h = np.ones(u.shape[1])
+    return {
+        "crop_x": u[2 * n] * (1 - w),
+        "crop_y": u[2 * n + 1] * (1 - h),
+        "crop_w": w,
+        "crop_h": h,
+        "flip": (u[2 * n + 2] < cfg.flip_prob).astype(np.int64),
+    }
+
+
+def _fallback(r_low: float, r_high: float) -> tuple[float, float]:
+    """torchvision's fallback crop ``(w, h)`` on the unit square: the whole square when a ratio
+    of 1 is allowed, else the largest centred crop of the nearest allowed ratio."""
+    if r_low > 1:
+        return 1.0, 1 / r_low
+    if r_high < 1:
+        return r_high, 1.0
+    return 1.0, 1.0
+
+
+# exp(r) = sum r**k / k! for |r| <= ln(2) / 2, to double precision (terms 0 to 17)
+_EXP_TERMS = tuple(1 / math.factorial(k) for k in range(17, -1, -1))
+_LN2_HIGH, _LN2_LOW = 0.693145751953125, 1.4286068203094173e-06  # ln 2 = high + low, high short
+
+
+def _exp(x: np.ndarray) -> np.ndarray:
+    """``exp(x)`` with basic IEEE operations only (correctly rounded, so every machine gives the
+    same bits, where numpy's ``exp`` may use CPU-specific SIMD code): ``2**k * exp(r)``, ``k``
+    the nearest integer to ``x / ln 2``, ``r`` reduced in two exact steps, ``exp(r)`` a Taylor
+    polynomial in Horner form."""
+    k = np.rint(x / math.log(2))
+    r = (x - k * _LN2_HIGH) - k * _LN2_LOW
+    acc = np.full_like(r, _EXP_TERMS[0])
+    for coefficient in _EXP_TERMS[1:]:
+        acc = acc * r + coefficient
+    return np.ldexp(acc, k.astype(np.int64))
+
+
+def crop_box(params: Mapping[str, Any], width: int, height: int) -> tuple[int, int, int, int]:
+    """The pixel box ``(left, top, right, bottom)`` of a sample's crop in a ``width x height``
+    image: ``round(crop_x * W), round(crop_y * H)`` to ``round((crop_x + crop_w) * W),
+    round((crop_y + crop_h) * H)`` (Python's round, half to even), at least one pixel wide and
+    high; the whole image when ``params`` has no crop.
+
+    Example:
+        >>> crop_box({"crop_x": 0.25, "crop_y": 0.0, "crop_w": 0.5, "crop_h": 1.0}, 100, 50)
+        (25, 0, 75, 50)
+    """
+    if "crop_x" not in params:
+        return 0, 0, width, height
+    x, y = float(params["crop_x"]), float(params["crop_y"])
+    left, top = round(x * width), round(y * height)
+    right = round((x + float(params["crop_w"])) * width)
+    bottom = round((y + float(params["crop_h"])) * height)
+    left, top = min(left, width - 1), min(top, height - 1)
+    return left, top, min(width, max(right, left + 1)), min(height, max(bottom, top + 1))
 
 
 def _rows(columns: dict[str, np.ndarray]) -> Iterator[dict[str, Any]]:
-    """Per-sample dicts of Python scalars (hex seeds) from batch columns, built lazily.
+    """Per-sample dicts of Python scalars (hex seeds) from batch columns, in column order.
 
-    ``map`` drives :func:`_row` over the columns (no Python loop body): this runs once per
+    :func:`rows_of` builds them with a dict display, no Python loop body: this runs once per
     streamed sample, so it sets the per-sample cost of the streaming datasets.
     """
     if len(columns["sample_id"]) == 0:
         return iter(())
     hexed = columns["seed"].astype(">u8").tobytes().hex()  # 16 digits per seed, as seed_hex
     seeds = np.array(hexed).reshape(1).view("U16").tolist()  # cut into 16-digit strings
-    values = [columns[name].tolist() for name in (*PARAM_NAMES, "sample_id")]
+    values = [col.tolist() for name, col in columns.items() if name not in _CONSTANT_KEYS]
     rank, epoch = repeat(int(columns["rank"][0])), repeat(int(columns["epoch"][0]))
-    return map(_row, *values, rank, epoch, seeds)
+    return iter(rows_of(list(columns), [*values, rank, epoch, seeds]))
+
+
+_CONSTANT_KEYS = ("rank", "epoch", "seed")  # the last three columns, filled without tolist()
 
 
 def gen_augmentation_params(

@@ -1,9 +1,11 @@
-"""Samples as columns: the form of the batches ``ShardedStreamingDataset(batch_size=...)`` yields.
+"""Samples as columns: the form batches take inside ``ShardedStreamingDataset`` before they are
+handed out (:mod:`nnh_data.handoff`).
 
 A ``Columns`` is a dict of equally long columns: numpy arrays for numeric and boolean data,
-lists of Python values for everything else, or nested ``Columns`` (``__aug__``). Building
-batches this way costs a few pointer copies per value instead of a dict per sample, which is
-what lets columnar sources (Parquet) stream at close to the speed of pyarrow itself.
+Arrow arrays for the other Parquet columns, lists of Python values for everything else, or
+nested ``Columns`` (``__aug__``). Building batches this way costs a few pointer copies per value
+(none per value for Arrow columns, which Arrow gathers itself) instead of a dict per sample,
+which is what lets columnar sources (Parquet) stream at the speed of pyarrow itself.
 
 >>> cols = columns_of([{"a": 1, "b": b"x"}, {"a": 2}])
 >>> cols
@@ -17,14 +19,28 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
-Column = list | np.ndarray | dict
+Column = list | np.ndarray | pa.Array | pa.ChunkedArray | dict
+ARROW = (pa.Array, pa.ChunkedArray)
 Columns = dict[str, Column]
 
-__all__ = ["Columns", "columns_of", "concat", "cut", "num_rows", "rows_of", "take"]
+__all__ = [
+    "ARROW",
+    "Columns",
+    "as_list",
+    "columns_of",
+    "concat",
+    "cut",
+    "num_rows",
+    "rows_of",
+    "take",
+    "without_arrow",
+]
 
 
 def num_rows(columns: Columns) -> int:
@@ -35,6 +51,14 @@ def num_rows(columns: Columns) -> int:
 
 def columns_of(samples: Sequence[dict]) -> Columns:
     """Columns of sample dicts: one per key (in first-seen order), ``None`` where it is missing."""
+    if not samples:
+        return {}
+    first = samples[0]
+    if len(first) > 1 and sum(map(len, samples)) == len(first) * len(samples):
+        try:  # every sample has the first one's keys (and no others): C-level transpose
+            return dict(zip(first, map(list, zip(*map(itemgetter(*first), samples)))))
+        except KeyError:
+            pass
     names = dict.fromkeys(chain.from_iterable(samples))
     return {name: [s.get(name) for s in samples] for name in names}
 
@@ -76,9 +100,27 @@ def take(columns: Columns, indices: np.ndarray) -> Columns:
             out[name] = take(col, indices)
         elif isinstance(col, np.ndarray):
             out[name] = col[indices]
+        elif isinstance(col, ARROW):
+            out[name] = col.take(indices)
         else:
             out[name] = list(map(col.__getitem__, positions))
     return out
+
+
+def as_list(column: Column) -> list:
+    """A column's values as a list of Python values."""
+    if isinstance(column, np.ndarray):
+        return column.tolist()
+    return column.to_pylist() if isinstance(column, ARROW) else column
+
+
+def without_arrow(columns: Columns) -> Columns:
+    """``columns`` with Arrow arrays as lists of Python values (what ``decode`` receives)."""
+    return {
+        name: without_arrow(col) if isinstance(col, dict) else
+        col.to_pylist() if isinstance(col, ARROW) else col
+        for name, col in columns.items()
+    }  # fmt: skip
 
 
 def cut(columns: Columns, start: int, stop: int) -> Columns:
@@ -108,11 +150,16 @@ def concat(parts: Sequence[Columns]) -> Columns:
         if all(isinstance(col, dict) for col in cols):
             out[name] = concat(cols)
             continue
+        if all(isinstance(col, ARROW) for col in cols) and len({c.type for c in cols}) == 1:
+            out[name] = pa.chunked_array(_chunks(cols), cols[0].type)
+            continue
         merged: list = []
         for col, size in zip(cols, sizes):
-            if col is None:
-                merged += [None] * size
-            else:
-                merged += col.tolist() if isinstance(col, np.ndarray) else col
+            merged += [None] * size if col is None else as_list(col)
         out[name] = merged
     return out
+
+
+def _chunks(columns: Sequence[pa.Array | pa.ChunkedArray]) -> list[pa.Array]:
+    chunked = (col.chunks if isinstance(col, pa.ChunkedArray) else [col] for col in columns)
+    return list(chain.from_iterable(chunked))

@@ -107,9 +107,8 @@ class CachedPass:
 
     def fetch_remote(self, info: ShardInfo, start: int, stop: int) -> bytes | Columns:
         """The block read from the remote, around the cache (any thread)."""
-        return ShardReader(self.reader.storage_options, self.reader.nullable).fetch(
-            info, start, stop
-        )
+        r = self.reader
+        return ShardReader(r.storage_options, r.nullable, r.arrow).fetch(info, start, stop)
 
     def _discard_damaged(self) -> None:
         while self._damaged:

@@ -3,10 +3,13 @@
 A :class:`ParquetReader` keeps the last file it opened (and its parsed footer), so reading a
 shard block after block opens it once. The reader belongs to one pass of one worker: a new
 pass makes a new reader, so a file rewritten between passes is read afresh, and nothing is
-shared between threads or across a fork. Rows are decompressed and converted ``_BATCH`` at a
-time while they are in cache. Numeric and boolean columns come as numpy arrays, except those
-the dataset lists as nullable (a column then has one type in every batch): those, and every
-other type, come as lists of Python values with ``None`` for nulls.
+shared between threads or across a fork. Rows are decompressed ``_BATCH`` at a time (and, for
+per-sample reading, turned into Python values) while they are in cache. Numeric and boolean
+columns come as numpy arrays, except those the dataset lists as nullable (a column then has one
+type in every batch): those, and every other type, come as lists of Python values with
+``None`` for nulls, or, for batches (``arrow=True``), as Arrow arrays: the shuffle then gathers
+them in Arrow, and text and bytes reach a batch as one buffer
+(:class:`~nnh_data.packed.PackedField`) without a Python object per value.
 
 >>> reader = ParquetReader()  # doctest: +SKIP
 >>> reader.read(index.shards[0], 0, 10)["__key__"][:2]  # doctest: +SKIP
@@ -24,7 +27,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
-from nnh_data import batching
 from nnh_data.batching import Column, Columns
 from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError, row_group_rows
 
@@ -32,21 +34,23 @@ __all__ = ["ParquetReader"]
 
 _BATCH = 256  # rows decompressed then converted at a time: they stay in cache
 
-
 class ParquetReader:
     """Reads rows ``[start, stop)`` of Parquet shards; see the module docstring.
 
-    ``nullable`` names the columns to give as lists (default: each shard's own
-    ``info.nullable``); ``storage_options`` go to fsspec.
+    ``nullable`` names the numeric columns that may hold nulls (default: each shard's own
+    ``info.nullable``); ``storage_options`` go to fsspec; ``arrow``: keep the non-numeric and
+    nullable columns as Arrow arrays (for batches) instead of lists of Python values.
     """
 
     def __init__(
         self,
         storage_options: dict[str, Any] | None = None,
         nullable: Iterable[str] | None = None,
+        arrow: bool = False,
     ) -> None:
         self.storage_options = storage_options
         self.nullable = None if nullable is None else frozenset(nullable)
+        self.arrow = arrow
         self._open: tuple[tuple[str, BinaryIO | None], pq.ParquetFile] | None = None
 
     def read(self, info: ShardInfo, start: int, stop: int, file: BinaryIO | None = None) -> Columns:
@@ -63,11 +67,11 @@ class ParquetReader:
                 _BATCH, row_groups=groups, use_threads=False
             )
             parts = _converted(info, batches, start - int(info.offsets[first]), stop - start,
-                               nullable)  # fmt: skip
+                               nullable, self.arrow)  # fmt: skip
         except (pa.ArrowException, OSError, StopIteration) as exc:
             position = f"row group {first} (sample {start})"
             raise ShardError(info.url, position, f"unreadable Parquet file ({exc!r})") from exc
-        columns = batching.concat(parts) if parts else {}
+        columns = _joined(parts)
         if "__key__" not in columns:
             stem = info.url.rsplit("/", 1)[-1].rsplit(".", 1)[0]
             columns["__key__"] = list(map(f"{stem}/".__add__, map(str, range(start, stop))))
@@ -102,7 +106,12 @@ def _group_of(info: ShardInfo, row: int) -> int:
 
 
 def _converted(
-    info: ShardInfo, batches: Iterable[pa.RecordBatch], skip: int, rows: int, nullable: frozenset
+    info: ShardInfo,
+    batches: Iterable[pa.RecordBatch],
+    skip: int,
+    rows: int,
+    nullable: frozenset,
+    arrow: bool,
 ) -> list[Columns]:
     """``rows`` rows after the first ``skip`` of ``batches``, converted batch by batch."""
     parts = []
@@ -111,20 +120,39 @@ def _converted(
         batch = next(batches)
         if skip < batch.num_rows:
             part = batch.slice(skip, rows)
-            names = part.schema.names
-            parts.append({n: _values(info, n, c, n in nullable) for n, c in zip(names, part)})
+            parts.append({name: _values(info, name, column, name in nullable, arrow)
+                          for name, column in zip(part.schema.names, part)})  # fmt: skip
             rows -= part.num_rows
         skip = max(0, skip - batch.num_rows)
     return parts
 
 
-def _values(info: ShardInfo, name: str, column: pa.Array, as_list: bool) -> Column:
-    """Numeric and boolean columns as numpy, unless ``as_list`` (the column is nullable in the
-    dataset): then, like every other type, a list of Python values (``None`` for nulls)."""
+def _values(info: ShardInfo, name: str, column: pa.Array, nullable: bool, arrow: bool) -> Column:
+    """Numeric and boolean columns as numpy, unless ``nullable`` in the dataset (a column then
+    has one type in every batch): then, like every other type, an Arrow array (``arrow``) or a
+    list of Python values (``None`` for nulls)."""
     kind = column.type
     numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
-    if numeric and not as_list:
+    if numeric and not nullable:
         if column.null_count:
             raise StaleIndexError(info.url, f"column {name!r}", "a null the index did not list")
         return column.to_numpy(zero_copy_only=False)
-    return column.to_pylist()
+    return column if arrow else column.to_pylist()
+
+
+def _joined(parts: list[Columns]) -> Columns:
+    """The parts' rows one after the other."""
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return {}
+    out = {}
+    for name, first in parts[0].items():
+        pieces = [part[name] for part in parts]
+        if isinstance(first, np.ndarray):
+            out[name] = np.concatenate(pieces)
+        elif isinstance(first, pa.Array):
+            out[name] = pa.concat_arrays(pieces)  # one array: Arrow's take is quick on it
+        else:
+            out[name] = list(itertools.chain.from_iterable(pieces))
+    return out

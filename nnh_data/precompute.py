@@ -50,7 +50,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from nnh_data.augment import PARAM_NAMES, AugmentationConfig, gen_augmentation_params_batch
+from nnh_data.augment import AugmentationConfig, gen_augmentation_params_batch, param_names
 from nnh_data.batching import concat
 from nnh_data.checks import check_int
 from nnh_data.job_array import array_task_info
@@ -75,7 +75,7 @@ METADATA_KEY = b"nnh.precompute"  # the table's description, in every file's Par
 FORMAT = "nnh-precompute"
 _SPEC_NAME = "_table.json"  # the description, written by the first task: later tasks compare
 _DONE = "_done"  # receipts
-_VALUE_COLUMNS = (*PARAM_NAMES, "seed")
+_VALUE_TYPES = {"seed": np.uint64, "flip": np.int64}  # the others are float64
 _OPEN_FILES = 64  # files a lookup keeps mapped (no descriptor stays open; mappings are capped)
 
 
@@ -164,7 +164,11 @@ class PrecomputeSpec:
     def column_names(self) -> tuple[str, ...]:
         """Columns of a file: sample_id, epoch, rank (rank-aware only), parameters, seed."""
         keys = ("sample_id", "epoch", "rank") if self.rank_aware else ("sample_id", "epoch")
-        return (*keys, *_VALUE_COLUMNS)
+        return (*keys, *self.value_columns())
+
+    def value_columns(self) -> tuple[str, ...]:
+        """The columns lookups read: the config's parameters (``param_names``), then seed."""
+        return (*param_names(self.config), "seed")
 
     def generate(self, rows: range) -> dict[str, np.ndarray]:
         """The columns of ``rows`` (a step-1 range), from ``gen_augmentation_params_batch``."""
@@ -226,7 +230,8 @@ class PrecomputeSpec:
 
     def schema(self) -> pa.Schema:
         """Arrow schema of a file: non-nullable columns and the description as metadata."""
-        types = {"seed": pa.uint64(), **dict.fromkeys(PARAM_NAMES, pa.float64())}
+        types = {"seed": pa.uint64(), **dict.fromkeys(param_names(self.config), pa.float64())}
+        types["flip"] = pa.int64()
         fields = [pa.field(n, types.get(n, pa.int64()), False) for n in self.column_names()]
         return pa.schema(fields, metadata={METADATA_KEY: json.dumps(self.to_dict())})
 
@@ -350,7 +355,7 @@ def _write_file(path: Path, spec: PrecomputeSpec, tables: Iterable[pa.Table]) ->
     keys (sample id, epoch, rank) are delta-encoded (48 bytes a row instead of 72) with
     statistics, so that query engines skip row groups by sample id.
     """
-    keys = [name for name in spec.column_names() if name not in _VALUE_COLUMNS]
+    keys = [name for name in spec.column_names() if name not in spec.value_columns()]
     options = {"column_encoding": dict.fromkeys(keys, "DELTA_BINARY_PACKED"), **ONE_PAGE_OPTIONS}
     temporary = _temporary(path)
     with pq.ParquetWriter(temporary, spec.schema(), write_statistics=keys, **options) as writer:
@@ -362,7 +367,7 @@ def _write_file(path: Path, spec: PrecomputeSpec, tables: Iterable[pa.Table]) ->
 def _commit(directory: Path, spec: PrecomputeSpec, index: int, temporary: Path) -> None:
     """Check that lookups can view the written file, rename it, then write its receipt."""
     path, data = directory / spec.file_name(index), map_file(str(temporary))
-    column_views(data, _VALUE_COLUMNS, str(path))
+    column_views(data, spec.value_columns(), str(path))
     receipt = {
         "name": path.name,
         "rows": len(spec.file_rows(index)),
@@ -569,16 +574,14 @@ class PrecomputedParams:
         ids = as_sample_ids(sample_ids)
         rank = self._rank(rank)
         location = self._first_row(ids, epoch, rank) + ids
-        out = {
-            name: np.empty(len(ids), np.uint64 if name == "seed" else np.float64)
-            for name in _VALUE_COLUMNS
-        }
+        names = self.spec.value_columns()
+        out = {name: np.empty(len(ids), _VALUE_TYPES.get(name, np.float64)) for name in names}
         for (file_index, group_index), where, offset in self._locate(location):
             columns = self._groups(file_index)[group_index]
-            for name in _VALUE_COLUMNS:
+            for name in names:
                 out[name][where] = columns[name][offset]
         return {
-            **{name: out[name] for name in PARAM_NAMES},
+            **{name: out[name] for name in names[:-1]},
             "sample_id": ids,
             "rank": np.full(ids.shape, rank, dtype=np.int64),
             "epoch": np.full(ids.shape, epoch, dtype=np.int64),
@@ -636,7 +639,7 @@ class PrecomputedParams:
         found = _file_spec(pq.ParquetFile(pa.BufferReader(data)), path)
         if found != self.spec:
             raise ValueError(f"{path} belongs to another table ({found.differences(self.spec)})")
-        groups = column_views(data, _VALUE_COLUMNS, str(path))
+        groups = column_views(data, self.spec.value_columns(), str(path))
         sizes = [len(group["seed"]) for group in groups]
         rows = self.spec.file_rows(file_index)
         if sizes != [len(part) for part in _row_groups(rows)]:

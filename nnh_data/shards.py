@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from fsspec.core import url_to_fs
 
-from nnh_data.batching import Columns, columns_of, rows_of
+from nnh_data.batching import Columns, as_list, columns_of, rows_of
 from nnh_data.checks import check_int
 from nnh_data.parquet_format import ParquetReader
 from nnh_data.shard_index import (
@@ -91,15 +91,17 @@ class ShardReader:
     time): tar byte ranges in one read each, Parquet rows through a :class:`ParquetReader`
     that keeps the shard being read open. ``nullable``: the Parquet columns to give as lists
     (default: each shard's own ``info.nullable``; a dataset passes the union over its shards,
-    so a column has one type in every batch)."""
+    so a column has one type in every batch); ``arrow``: Parquet columns that are not numpy
+    arrays stay Arrow arrays (for batches)."""
 
     def __init__(
         self,
         storage_options: dict[str, Any] | None = None,
         nullable: Sequence[str] | None = None,
+        arrow: bool = False,
     ) -> None:
-        self.storage_options, self.nullable = storage_options, nullable
-        self._parquet = ParquetReader(storage_options, nullable)
+        self.storage_options, self.nullable, self.arrow = storage_options, nullable, arrow
+        self._parquet = ParquetReader(storage_options, nullable, arrow)
 
     def fetch(
         self, info: ShardInfo, start: int, stop: int, file: BinaryIO | None = None
@@ -147,10 +149,11 @@ def fetch_shard_range(
     Tar: their byte range in one read (``bytes``). Parquet: their rows as columns, ``__key__``
     added (the file's stem and row number unless the file has a ``__key__`` column); numeric
     and boolean columns as numpy arrays except those named in ``nullable`` (default: the
-    shard's own ``info.nullable``), which come, like every other type, as lists of Python
-    values with ``None`` for nulls. Raises :class:`ShardError` when the shard cannot be read
-    and :class:`StaleIndexError` when it does not match its index. To read many ranges, keep
-    one :class:`ShardReader` (it keeps a Parquet file open between reads).
+    shard's own ``info.nullable``), which come, like every other type, as Arrow arrays
+    (``to_pylist()`` gives their Python values, ``None`` for nulls). Raises
+    :class:`ShardError` when the shard cannot be read and :class:`StaleIndexError` when it does
+    not match its index. To read many ranges, keep one :class:`ShardReader` (it keeps a
+    Parquet file open between reads).
     """
     return ShardReader(storage_options, nullable).fetch(info, start, stop)
 
@@ -165,37 +168,34 @@ def decode_shard_range(
     ``__key__`` (the ``__key__`` column, else the row number in the shard).
     """
     if info.format == "parquet":
-        columns = [c.tolist() if isinstance(c, np.ndarray) else c for c in payload.values()]
-        return iter(rows_of(list(payload), columns))
+        return iter(rows_of(list(payload), list(map(as_list, payload.values()))))
     return iter(_decode_tar(info, payload, start, stop))
 
 
 def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> list[dict]:
     base = int(info.offsets[start])
-    buf = _checked_end(info, buf, start, stop)
+    size = _checked_end(info, buf, start, stop)
     try:
-        parsed = parse_samples(buf, 0, len(buf))
+        parsed = parse_samples(buf, 0, size)
     except TarFormatError as exc:
         raise ShardError(info.url, _tar_position(info, base + exc.offset), exc.reason) from exc
-    if parsed.stop != len(buf) or len(parsed.samples) != stop - start:
+    if parsed.stop != size or len(parsed.samples) != stop - start:
         found = f"{len(parsed.samples)} samples ending at byte {base + parsed.stop}"
-        expected = f"{stop - start} ending at byte {base + len(buf)}"
+        expected = f"{stop - start} ending at byte {base + size}"
         raise StaleIndexError(info.url, _tar_position(info, base), f"found {found}, the index "
                               f"says {expected}")  # fmt: skip
     _warn_if_split(info, parsed.samples)
     return parsed.samples
 
 
-def _checked_end(info: ShardInfo, buf: bytes, start: int, stop: int) -> bytes:
-    """``buf`` without the block read after the shard's last sample, which must be the
-    end-of-archive marker (:func:`fetch_shard_range`)."""
+def _checked_end(info: ShardInfo, buf: bytes, start: int, stop: int) -> int:
+    """The bytes of ``buf`` that hold the samples: all but the block read after the shard's
+    last sample, which must be the end-of-archive marker (:func:`fetch_shard_range`)."""
     size = int(info.offsets[stop] - info.offsets[start])
-    if len(buf) == size:
-        return buf
-    if buf[size:] != ZERO_BLOCK:
+    if len(buf) != size and buf[size:] != ZERO_BLOCK:
         position = _tar_position(info, int(info.offsets[stop]))
         raise StaleIndexError(info.url, position, "more data after the last indexed sample")
-    return buf[:size]
+    return size
 
 
 def _warn_if_split(info: ShardInfo, samples: list[dict]) -> None:
@@ -217,7 +217,7 @@ def decode_tar_each(info: ShardInfo, buf: bytes, start: int, stop: int) -> list[
     :class:`ShardError` that makes it unreadable. Where a block holds a bad header, this keeps
     every other sample of it (the index knows where each one starts)."""
     base = int(info.offsets[start])
-    buf = _checked_end(info, buf, start, stop)
+    _checked_end(info, buf, start, stop)
     out: list[dict | ShardError] = []
     for i in range(start, stop):
         low, high = int(info.offsets[i]) - base, int(info.offsets[i + 1]) - base
@@ -241,8 +241,8 @@ def decode_shard_columns(
 ) -> Columns:
     """Samples ``[start, stop)`` as columns (:mod:`nnh_data.batching`), in shard order.
 
-    Values are those of :func:`decode_shard_range`, except that Parquet numeric and boolean
-    columns without nulls come as numpy arrays.
+    Values are those of :func:`decode_shard_range`, except that Parquet columns come as read
+    (numeric and boolean columns without nulls as numpy arrays, the others as Arrow arrays).
     """
     if info.format == "parquet":
         return dict(payload)

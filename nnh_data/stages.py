@@ -14,8 +14,10 @@ plan -> read -> assemble [-> mix] -> parameters -> count, each a plain function 
   the order of the mixed epoch.
 - parameters (:func:`with_parameters`): each part's augmentation parameters, as columns, in
   one call per part.
-- count (:func:`hand_out_samples`, :func:`hand_out_batches`): items handed to the loader one
-  at a time or in batches, their progress counted in a :class:`Progress` (the resume state).
+- count (:func:`hand_out_samples`, :func:`hand_out_rows`, :func:`hand_out_batches`): items
+  handed to the loader one at a time (sample dicts, or rows of columns for a loader that
+  collates them itself) or in batches, their progress counted in a :class:`Progress` (the
+  resume state).
 
 A window's samples are handed out from a stack, so counting costs nothing per sample.
 """
@@ -45,6 +47,7 @@ __all__ = [
     "Rows",
     "assemble",
     "hand_out_batches",
+    "hand_out_rows",
     "hand_out_samples",
     "mix",
     "pad_plan",
@@ -359,6 +362,43 @@ def _label_lists(part: Part) -> dict[str, list]:
     params = part.params
     out["__aug__"] = batching.rows_of(list(params), [c.tolist() for c in params.values()])
     return out
+
+
+def hand_out_rows(
+    parts: Iterable[Part], progress: Progress, skipped: Callable[[dict], None]
+) -> Iterator[tuple[Columns, int]]:
+    """The rows of column ``parts`` one at a time, as ``(columns, i)``: row ``i`` of a part's
+    columns, which hold its rows, the labels and ``__aug__`` in the order a sample of
+    :func:`hand_out_samples` has its fields. Counted and skipped as that function does, without
+    building a dict per row: for a loader that collates the rows itself
+    (:func:`nnh_data.handoff.collate_rows`)."""
+    for part in parts:
+        labels = part.labels
+        columns = {**part.rows, "__index__": labels["__index__"], "__pad__": labels["__pad__"],
+                   "__aug__": part.params, **labels}  # fmt: skip
+        flags = columns.pop(SKIPPED, None)
+        n = batching.num_rows(labels)
+        stack = [_DONE]
+        stack += zip(repeat(columns), range(n - 1, -1, -1))
+        del part, labels
+        progress.start_window(stack)
+        if flags is None:
+            yield from iter(stack.pop, _DONE)
+            continue
+        for row in iter(stack.pop, _DONE):
+            if flags[row[1]]:
+                skipped(_row_label(columns, row[1]))
+            else:
+                yield row
+    progress.start_window([])
+
+
+def _row_label(columns: Columns, i: int) -> dict:
+    """What ``skipped`` is told of row ``i``: its id, and its source when mixing."""
+    label = {"__index__": int(columns["__index__"][i])}
+    if "__source__" in columns:
+        label["__source__"] = columns["__source__"][i]
+    return label
 
 
 def hand_out_batches(

@@ -33,10 +33,12 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from nnh_data import stages
-from nnh_data.augment import AugmentationConfig, gen_augmentation_params_batch
+from nnh_data import batching, stages
+from nnh_data.augment import AugmentationConfig, gen_augmentation_params_batch, param_names
 from nnh_data.checks import check_choice, check_int
+from nnh_data.decoders import DECODER_NAMES, SampleDecoder
 from nnh_data.error_policy import ON_ERROR, ErrorPolicy
+from nnh_data.handoff import handed_out, tensor_columns
 from nnh_data.mixing import MixedOrder, Source, SourceDraws, plan_counts, source_seed
 from nnh_data.order import UNEVEN, Intervals, WorkerPlan, base_size, rank_span, worker_plan
 from nnh_data.precompute import PrecomputedParams, load_precomputed_params
@@ -60,7 +62,7 @@ from nnh_data.stages import LEFT_OUT, Progress
 from nnh_data.stats import PARAMS_NS, DataStats, Meter
 from nnh_data.topology import built_on_rank0, dist_info, dist_ready, in_worker_process, worker_info
 
-__all__ = ["ShardedStreamingDataset", "merge_states", "state_from_loader"]
+__all__ = ["ShardedStreamingDataset", "merge_states", "state_from_loader", "streaming_dataset_of"]
 
 _REMOTE_READAHEAD = 2
 _MIX_CHUNK = 4096  # mixed positions interleaved per part
@@ -109,8 +111,9 @@ class ShardedStreamingDataset(IterableDataset):
     ``gen_augmentation_params_batch``, ``__index__`` and ``__pad__`` as numpy arrays, Parquet
     numeric columns as numpy arrays and other values as lists; no dict is built per sample.
     Worker ranges are cut in whole batches, so ``len()`` is the rank's number of batches
-    whatever ``num_workers``. ``decode`` then receives each batch. Mixed sources must then
-    have the same fields.
+    whatever ``num_workers``. ``decode`` (a callable, or a name of
+    :data:`~nnh_data.decoders.DECODER_NAMES`: webdataset's decoders) then receives each batch.
+    Mixed sources must then have the same fields.
 
     Example:
         >>> ds = ShardedStreamingDataset("data/train-{000000..000009}.tar")  # doctest: +SKIP
@@ -134,7 +137,7 @@ class ShardedStreamingDataset(IterableDataset):
         rank_aware_params: bool = False,
         uneven: str = "pad",
         on_error: str = "raise",
-        decode: Callable[[dict], Any] | None = None,
+        decode: Callable[[dict], Any] | str | None = None,
         shuffle_window: int = 1024,
         readahead: int | None = None,
         format: str | None = None,
@@ -163,7 +166,7 @@ class ShardedStreamingDataset(IterableDataset):
         self.readahead = check_int("readahead", readahead, low=0)
         self.uneven = check_choice("uneven", uneven, UNEVEN)
         self.aug_config = _checked_config(aug_config)
-        self.decode = _checked_decode(decode)
+        self.decode = _checked_decode(decode, self.aug_config)
         self.batch_size = None if batch_size is None else check_int("batch_size", batch_size, low=1)
         self.rank_aware_params = bool(rank_aware_params)
         self.storage_options = storage_options
@@ -325,6 +328,20 @@ class ShardedStreamingDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         check_caller()
+        return self._iterate(rows=False)
+
+    def loader_view(self) -> IterableDataset:
+        """This dataset as :func:`~nnh_data.streaming_loader.streaming_loader` hands it to its
+        loader in per-sample mode without ``decode``: the same samples, state and length, each
+        sample a row of columns that :func:`~nnh_data.handoff.collate_rows` batches, so no dict
+        is built per sample. Attributes are this dataset's (``view.set_epoch(...)`` works)."""
+        if self.batch_size is not None or self.decode is not None:
+            raise ValueError("loader_view is for per-sample datasets without decode")
+        return _LoaderView(self)
+
+    def _iterate(self, rows: bool) -> Iterator[Any]:
+        """A pass: samples (or batches, with ``batch_size``); with ``rows``, the samples as
+        rows of columns (:func:`stages.hand_out_rows`)."""
         # Resolved here, not in the generator: StatefulDataLoader snapshots the state right
         # after iter(), before the first item is requested.
         worker, num_workers = worker_info()
@@ -343,9 +360,11 @@ class ShardedStreamingDataset(IterableDataset):
         plan = worker_plan(base, self.world_size, self.rank, num_workers, worker, self.uneven,
                            consumed, self._unit)  # fmt: skip
         self._check_precomputed()
-        rows = stages.SAMPLES if self.batch_size is None else stages.COLUMNS
+        kind = stages.SAMPLES if self.batch_size is None and not rows else stages.COLUMNS
         columns = functools.partial(self._columns, run.meter, epoch=run.epoch)
-        parts = stages.with_parameters(self._parts(plan, rows, run), columns)
+        parts = stages.with_parameters(self._parts(plan, kind, run), columns)
+        if rows:
+            return stages.hand_out_rows(parts, run.progress, self._skipped)
         if self.batch_size is None:
             finish = None if self.decode is None else self._finish
             return stages.hand_out_samples(parts, run.progress, finish, self._skipped)
@@ -366,7 +385,7 @@ class ShardedStreamingDataset(IterableDataset):
             f"ShardedStreamingDataset iterated again at epoch {epoch}: the same order and "
             "augmentation parameters as the pass before; call ds.set_epoch(epoch) before each "
             "epoch (a set meant to repeat, for evaluation: ShardedStreamingDataset(..., "
-            "shuffle=False))", RuntimeWarning, stacklevel=3,
+            "shuffle=False))", RuntimeWarning, stacklevel=4,
         )  # fmt: skip
 
     def _parts(self, plan: WorkerPlan, rows: stages.Rows, run: _Pass) -> Iterator[stages.Part]:
@@ -388,19 +407,25 @@ class ShardedStreamingDataset(IterableDataset):
 
     def _finish(self, item: Any) -> Any:
         """The item as handed out: rows skipped as unreadable dropped (batches), ``decode``
-        applied (timed in the parts the pass's meter samples); ``LEFT_OUT`` when nothing is
-        left."""
-        if self.batch_size is not None and (item := self._errors.readable(item)) is LEFT_OUT:
+        applied (a batch without it as tensors and packed fields, :mod:`nnh_data.handoff`);
+        ``LEFT_OUT`` when nothing is left."""
+        if self.batch_size is None:
+            return self._decoded(item, 1)
+        if (item := self._errors.readable(item)) is LEFT_OUT:
             return LEFT_OUT
         if self.decode is None:
-            return item
+            return tensor_columns(item)
+        return handed_out(self._decoded(batching.without_arrow(item), batching.num_rows(item)))
+
+    def _decoded(self, item: Any, items: int) -> Any:
+        """``decode`` applied to ``item`` (of ``items`` rows), timed in the parts the pass's
+        meter samples."""
         meter = self._pass.meter
         if not meter.timing:
             return self._errors.decoded(self.decode, item)
         began = time.perf_counter_ns()
         item = self._errors.decoded(self.decode, item)
-        meter.decoded(time.perf_counter_ns() - began, 1 if self.batch_size is None else
-                      self.batch_size)  # fmt: skip
+        meter.decoded(time.perf_counter_ns() - began, items)
         return item
 
     def _skipped(self, label: dict) -> None:
@@ -412,6 +437,46 @@ class ShardedStreamingDataset(IterableDataset):
     def _check_precomputed(self) -> None:
         """Fail now when the precomputed table does not cover the next pass."""
         self._params.check(self.epoch, self.total_samples)
+
+
+def streaming_dataset_of(data: Any) -> ShardedStreamingDataset | None:
+    """The :class:`ShardedStreamingDataset` ``data`` is, or that a loader reads (its dataset,
+    or the :meth:`~ShardedStreamingDataset.loader_view` it iterates); None for anything else.
+
+    Example:
+        >>> streaming_dataset_of(streaming_loader(ds, 64)) is ds  # doctest: +SKIP
+        True
+    """
+    for _ in range(3):  # the dataset, a loader's dataset, or a loader's view of it
+        if isinstance(data, ShardedStreamingDataset):
+            return data
+        data = getattr(data, "dataset", None)
+    return None
+
+
+class _LoaderView(IterableDataset):
+    """See :meth:`ShardedStreamingDataset.loader_view`."""
+
+    def __init__(self, dataset: ShardedStreamingDataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[tuple[dict, int]]:
+        check_caller()
+        return self.dataset._iterate(rows=True)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 @dataclass(frozen=True)
@@ -626,9 +691,26 @@ def _checked_config(config: AugmentationConfig | None) -> AugmentationConfig | N
     return config
 
 
-def _checked_decode(decode: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+def _checked_decode(
+    decode: Callable[[Any], Any] | str | None, config: AugmentationConfig | None
+) -> Callable[[Any], Any] | None:
+    """``decode`` as a callable: a name of ``DECODER_NAMES`` is that :class:`SampleDecoder`;
+    a crop decoder needs a config with crop parameters."""
+    if isinstance(decode, str):
+        if decode not in DECODER_NAMES:
+            raise ValueError(
+                f"decode must be one of {', '.join(map(repr, DECODER_NAMES))}, a callable on "
+                f"samples or None, got {decode!r}"
+            )
+        return SampleDecoder(decode)
     if decode is not None and not callable(decode):
-        raise ValueError(f"decode must be a callable on samples or None, got {decode!r}")
+        raise ValueError(f"decode must be a callable, a decoder name or None, got {decode!r}")
+    crops = isinstance(decode, SampleDecoder) and decode.crop_size is not None
+    if crops and "crop_x" not in param_names(config):
+        raise ValueError(
+            f"decode={decode!r} crops with the samples' crop parameters, but aug_config has none: "
+            "pass aug_config=get_preset('imagenet') or an AugmentationConfig with crop=True"
+        )
     return decode
 
 

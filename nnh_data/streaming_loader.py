@@ -18,6 +18,7 @@ from typing import Any
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from nnh_data.checks import check_int
+from nnh_data.handoff import collate_decoded, collate_rows
 from nnh_data.streaming import ShardedStreamingDataset
 
 __all__ = ["streaming_loader"]
@@ -61,6 +62,12 @@ def streaming_loader(
     else:
         loader_batch = None
     loader_kwargs.setdefault("persistent_workers", num_workers > 0)
+    iterated: Any = dataset
+    if loader_batch is not None and "collate_fn" not in loader_kwargs:
+        if dataset.decode is None:  # rows collated from their columns: no dict per sample
+            iterated, loader_kwargs["collate_fn"] = dataset.loader_view(), collate_rows
+        else:
+            loader_kwargs["collate_fn"] = collate_decoded
     return StatefulDataLoader(
-        dataset, batch_size=loader_batch, num_workers=num_workers, **loader_kwargs
+        iterated, batch_size=loader_batch, num_workers=num_workers, **loader_kwargs
     )

@@ -9,8 +9,14 @@ since a pass over a large batch is bound by memory bandwidth), in this order, fo
    (``> 1`` zooms in) as one affine resampling, the ``affine_grid`` sampling grid (computed as
    a broadcast sum of its x and y terms) + ``grid_sample`` (bilinear,
    ``align_corners=False``, ``padding_mode`` "zeros" by default). Rotation is done in pixel
-   units, so non-square images are not sheared. Images with rotation 0 and scale 1 are not
-   resampled, so they stay exact.
+   units, so non-square images are not sheared. With image geometry in the parameters (the
+   ``imagenet`` preset), the same resampling first takes the crop (the pixel box of
+   :func:`~nnh_data.augment.crop_box`, stretched to the whole ``H x W`` output, like
+   ``RandomResizedCrop`` to the input size), then flips (``flip`` 1) before rotating and
+   scaling about the crop's centre. ``grid_sample`` does not low-pass, so a crop larger than the
+   output aliases: to crop and shrink, decode with :func:`nnh_data.decode_crop` instead. Images
+   with rotation 0, scale 1 and the whole image as crop are not resampled (a flip is then an
+   exact mirror), so they stay exact.
 2. Brightness: ``x = brightness * x``.
 3. Contrast: ``x = contrast * x + (1 - contrast) * mean(x)``, the mean over all channels and
    pixels of the image after steps 1-2.
@@ -53,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nnh_data.augment import PARAM_NAMES
+from nnh_data.augment import GEOMETRY_NAMES, PARAM_NAMES, crop_box
 from nnh_data.checks import check_choice, check_pair
 from nnh_data.seeding import GOLDEN, MIX1, MIX2
 
@@ -93,7 +99,8 @@ def apply_augmentation(
         params: the columns of ``gen_augmentation_params_batch``, a list of dicts of
             ``gen_augmentation_params`` (or one dict for one image), or a collated ``__aug__``
             (tensors, and ``seed`` as a list of hex strings). Needs the five parameters and
-            ``seed``, one per image.
+            ``seed``, one per image, and uses the ``GEOMETRY_NAMES`` (crop and flip) when
+            they are there.
         generator: if given, the noise is drawn from it instead of from each sample's seed.
         padding_mode: how the geometry fills pixels from outside the image, one of
             ``PADDING_MODES``.
@@ -185,17 +192,21 @@ def _value_range(
 
 
 def _param_columns(params: Any, n: int) -> dict[str, Tensor]:
-    """The five parameters as CPU float64 tensors of length ``n`` and ``seed`` as int64 bits."""
-    needed = (*PARAM_NAMES, "seed")
+    """The parameters (with the ``GEOMETRY_NAMES`` when given) as CPU float64 tensors of
+    length ``n`` and ``seed`` as int64 bits."""
     rows = [params] if isinstance(params, Mapping) else params
     if isinstance(rows, str) or not all(isinstance(p, Mapping) for p in rows):
         raise ValueError(f"params must be a mapping or a sequence of mappings, got {params!r:.80}")
+    names = PARAM_NAMES
+    if rows and any(GEOMETRY_NAMES[0] in p for p in rows):
+        names = (*PARAM_NAMES, *GEOMETRY_NAMES)
+    needed = (*names, "seed")
     missing = sorted({k for p in rows for k in needed if k not in p})
     if missing:
         raise ValueError(f"params is missing keys {missing}; needs {list(needed)}")
     if not isinstance(params, Mapping):
         params = {k: [p[k] for p in params] for k in needed}
-    cols = {k: torch.as_tensor(params[k], dtype=torch.float64).cpu().flatten() for k in PARAM_NAMES}
+    cols = {k: torch.as_tensor(params[k], dtype=torch.float64).cpu().flatten() for k in names}
     cols["seed"] = _seed_bits(params["seed"])
     for name, col in cols.items():
         if col.numel() != n:
@@ -221,38 +232,63 @@ def _seed_bits(seeds: Any) -> Tensor:
 def _geometry(
     batch: Tensor, dtype: torch.dtype, cols: dict[str, Tensor], padding_mode: str
 ) -> Tensor:
-    """Rotate and scale the images that move; a fresh ``dtype`` tensor in every case."""
-    rotation, scale = cols["rotation"], cols["scale"]
-    moved = ((rotation != 0) | (scale != 1)).nonzero().flatten()
-    if 0 < len(moved) == len(rotation):
-        return _warp(batch.to(dtype), rotation, scale, padding_mode)
+    """Crop, flip, rotate and scale the images that move; a fresh ``dtype`` tensor in every
+    case."""
+    theta, moved, flipped = _thetas(cols, batch.shape[2], batch.shape[3])
+    if 0 < len(moved) == len(theta):
+        return _warp(batch.to(dtype), theta, padding_mode)
     x = batch.to(dtype, copy=True)
     if len(moved):  # resample only these, so identity rows stay exact
         index = moved.to(x.device)
-        x[index] = _warp(x[index], rotation[moved], scale[moved], padding_mode)
+        x[index] = _warp(x[index], theta[moved], padding_mode)
+    if len(flipped):
+        index = flipped.to(x.device)
+        x[index] = x[index].flip(-1)
     return x
 
 
-def _warp(x: Tensor, rotation: Tensor, scale: Tensor, padding_mode: str) -> Tensor:
-    """One ``grid_sample`` of the batch; ``theta`` built in float64 on the CPU."""
-    _, _, h, w = x.shape
-    angle = torch.deg2rad(rotation)
-    cos, sin, zero = angle.cos() / scale, angle.sin() / scale, torch.zeros_like(angle)
+def _thetas(cols: dict[str, Tensor], h: int, w: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per image, the ``affine_grid`` matrix (float64, CPU) mapping output to input positions;
+    the rows to resample, and the rows only to mirror."""
+    angle, scale = torch.deg2rad(cols["rotation"]), cols["scale"]
+    cos, sin = angle.cos() / scale, angle.sin() / scale
     # output -> input map in normalised coordinates (x right, y down); h/w keeps pixels square
-    rows = (torch.stack([cos, -sin * h / w, zero], -1), torch.stack([sin * w / h, cos, zero], -1))
-    theta = torch.stack(rows, 1).to(x.device, x.dtype)
-    grid = _affine_grid(theta, h, w)
+    theta = torch.zeros(len(angle), 2, 3, dtype=torch.float64)
+    theta[:, 0, 0], theta[:, 0, 1] = cos, -sin * h / w
+    theta[:, 1, 0], theta[:, 1, 1] = sin * w / h, cos
+    moved = (cols["rotation"] != 0) | (scale != 1)
+    flips = torch.zeros_like(moved) if "flip" not in cols else cols["flip"] != 0
+    if "crop_x" in cols:
+        boxes = torch.tensor([_box(cols, i, w, h) for i in range(len(angle))], dtype=torch.float64)
+        boxes = boxes.reshape(-1, 4)
+        moved |= (boxes != torch.tensor([0.0, 0.0, w, h], dtype=torch.float64)).any(dim=1)
+        half = torch.stack([(boxes[:, 2] - boxes[:, 0]) / w, (boxes[:, 3] - boxes[:, 1]) / h], 1)
+        theta[:, :, :2] *= half[:, :, None]  # the crop's half sizes, normalised
+        theta[:, 0, 2] = (boxes[:, 0] + boxes[:, 2]) / w - 1  # its centre
+        theta[:, 1, 2] = (boxes[:, 1] + boxes[:, 3]) / h - 1
+    theta[:, :, 0] *= torch.where(flips & moved, -1.0, 1.0)[:, None]
+    return theta, moved.nonzero().flatten(), (flips & ~moved).nonzero().flatten()
+
+
+def _box(cols: dict[str, Tensor], i: int, w: int, h: int) -> tuple[int, int, int, int]:
+    return crop_box({k: float(cols[k][i]) for k in GEOMETRY_NAMES[:4]}, w, h)
+
+
+def _warp(x: Tensor, theta: Tensor, padding_mode: str) -> Tensor:
+    """One ``grid_sample`` of the batch by ``theta`` (float64, on the CPU)."""
+    _, _, h, w = x.shape
+    grid = _affine_grid(theta.to(x.device, x.dtype), h, w)
     return F.grid_sample(x, grid, mode="bilinear", padding_mode=padding_mode, align_corners=False)
 
 
 def _affine_grid(theta: Tensor, h: int, w: int) -> Tensor:
-    """``F.affine_grid(theta, (n, c, h, w), align_corners=False)`` for a ``theta`` without
-    translation, as one broadcast add of its x and y terms: ``affine_grid`` multiplies a
-    materialised (n, h, w, 3) base grid instead, several times the memory traffic."""
+    """``F.affine_grid(theta, (n, c, h, w), align_corners=False)`` as one broadcast sum of its
+    x, y and translation terms: ``affine_grid`` multiplies a materialised (n, h, w, 3) base grid
+    instead, several times the memory traffic."""
     xs = torch.arange(w, device=theta.device, dtype=theta.dtype).mul_(2 / w).add_(1 / w - 1)
     ys = torch.arange(h, device=theta.device, dtype=theta.dtype).mul_(2 / h).add_(1 / h - 1)
     x_term = theta[:, None, None, :, 0] * xs.view(1, 1, w, 1)  # (n, 1, w, 2)
-    y_term = theta[:, None, None, :, 1] * ys.view(1, h, 1, 1)  # (n, h, 1, 2)
+    y_term = theta[:, None, None, :, 1] * ys.view(1, h, 1, 1) + theta[:, None, None, :, 2]
     return x_term + y_term
 
 

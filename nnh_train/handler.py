@@ -33,10 +33,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -64,7 +61,7 @@ from nnh_data.loaders import (
 )
 from nnh_data.stats import describe as describe_data
 from nnh_data.stats import sum_over_ranks
-from nnh_data.streaming import ShardedStreamingDataset, state_from_loader
+from nnh_data.streaming import ShardedStreamingDataset, state_from_loader, streaming_dataset_of
 from nnh_data.streaming_loader import streaming_loader
 from nnh_train.callbacks import Callback, ModelCheckpoint
 from nnh_train.checkpoint import (
@@ -89,16 +86,20 @@ from nnh_train.dd_helpers import gather_to_rank0
 from nnh_train.ddp_decorators import on_rank
 from nnh_train.ddp_init import get_dist_info, initialize_ddp
 from nnh_train.plots import plot_history
+from nnh_train.preemption import (
+    PREEMPTED_EXIT_CODE,
+    SignalFlag,
+    catch_signals,
+    exit_now,
+    requeue,
+)
 from nnh_train.run_lock import acquire_run_dirs, release_run_dirs
 
 __all__ = ["PRECISIONS", "PREEMPTED_EXIT_CODE", "NNHandler"]
 
-PREEMPTED_EXIT_CODE = 75
-"""Exit status after a preemption save: ``EX_TEMPFAIL`` of sysexits.h, "try again later"."""
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINT_VERSION = 1
 _INTERVALS = ("epoch", "step")
-_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
@@ -206,7 +207,7 @@ class NNHandler(OriginalAPI):
         self._autocast: Callable[[], Any] = nullcontext
         self._forward: Callable[..., Any] = self.model
         self._compiled: Callable[..., Any] | None = None
-        self._signal: int | None = None
+        self._signal = SignalFlag()
 
     @property
     def _rank(self) -> int:
@@ -538,7 +539,7 @@ class NNHandler(OriginalAPI):
         sample count, signal flag], float64 on the device."""
         means = sum(figures[1:], figures[0]) / real if real else self._zeros(1 + len(self.metrics))
         tail = torch.tensor(
-            [real, self._signal is not None], dtype=torch.float64, device=self.device
+            [real, bool(self._signal)], dtype=torch.float64, device=self.device
         )
         return torch.cat([sum(trained[1:], trained[0]).double().reshape(1), means, tail])
 
@@ -667,8 +668,8 @@ class NNHandler(OriginalAPI):
         seconds, waited = self._timing
         logs["samples_per_s"] = self._sums[1] / seconds if self._sums and seconds > 0 else None
         logs["data_wait"] = waited / seconds if seconds > 0 else None
-        dataset = getattr(self.train_loader, "dataset", None)
-        if isinstance(dataset, ShardedStreamingDataset):  # one all_reduce: every rank's figures
+        dataset = streaming_dataset_of(self.train_loader)
+        if dataset is not None:  # one all_reduce: every rank's figures
             wait = 0.0 if math.isnan(waited) else waited
             data = {**dataset.stats(), "wait_s": wait}
             data = sum_over_ranks(data) if self.distributed else data
@@ -696,20 +697,8 @@ class NNHandler(OriginalAPI):
     @contextmanager
     def _signals(self, path: str | None) -> Iterator[None]:
         """SIGUSR1 and SIGTERM only set a flag while ``path`` is where to save them."""
-        if path is None or threading.current_thread() is not threading.main_thread():
+        with catch_signals(enabled=path is not None) as self._signal:
             yield
-            return
-        self._signal = None
-
-        def note(signum: int, frame: Any) -> None:
-            self._signal = signum
-
-        previous = {number: signal.signal(number, note) for number in _SIGNALS}
-        try:
-            yield
-        finally:
-            for number, handler in previous.items():
-                signal.signal(number, handler)
 
     def _preempt(self, run: _Run, ranks: list[int]) -> None:
         print(f"rank {self.rank}: signal received on rank(s) {ranks}; saving "
@@ -717,8 +706,8 @@ class NNHandler(OriginalAPI):
               f"{PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)  # fmt: skip
         self.save(run.preempt_path)
         if run.requeue and self.rank == 0:
-            _requeue()
-        _exit_now(PREEMPTED_EXIT_CODE)
+            requeue()
+        exit_now(PREEMPTED_EXIT_CODE)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -1215,26 +1204,3 @@ def _describe(logs: Mapping[str, Any], epochs: int) -> str:
     return f"epoch {logs['epoch']}/{epochs}: {figures}{tail}"
 
 
-def _exit_now(code: int) -> None:
-    """End the process with ``code`` without interpreter shutdown. Right after a collective,
-    gloo's worker thread may still drop the last reference to a Python-owned tensor; during
-    shutdown that thread is stopped with a forced unwind and the process aborts (SIGABRT)
-    instead of exiting with ``code``, which a scheduler then misreads."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _requeue() -> None:
-    """``scontrol requeue $SLURM_JOB_ID``; a warning when it cannot run or fails."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if job is None:
-        warnings.warn("requeue=True but SLURM_JOB_ID is not set: not requeued", stacklevel=3)
-        return
-    try:
-        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-    except OSError as exc:
-        warnings.warn(f"scontrol requeue {job} could not run: {exc}", stacklevel=3)
-        return
-    if done.returncode:
-        warnings.warn(f"scontrol requeue {job} failed: {done.stderr.strip()}", stacklevel=3)

@@ -21,6 +21,9 @@ spawn: the children start at once and inherit what the test built); results in o
 and body bytes per object, so a test sees how often each shard was fetched; it can also be slow
 (latency per request, a bandwidth cap) for benchmarks.
 
+``picture(width, height, seed)`` is a smooth RGB picture with edges and grain (uint8, (H, W, 3))
+and ``encoded(pixels, format, **options)`` its bytes in an image format, for the decoder tests.
+
 ``simulated(ds, workers, monkeypatch)`` is what ``DataLoader(ds, num_workers=workers)`` yields
 (workers one after the other instead of interleaved): the dataset discovers its worker through
 :func:`nnh_data.topology.worker_info`, which the ``WORKER``/``NUM_WORKERS`` environment
@@ -50,9 +53,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from PIL import Image
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -64,8 +69,10 @@ __all__ = [
     "Net",
     "S3Proxy",
     "data",
+    "encoded",
     "free_port",
     "numbered_samples",
+    "picture",
     "run_distributed",
     "run_forked",
     "sample_bytes",
@@ -242,6 +249,28 @@ def write_tar(path: Path, samples: list[dict], *, pax: bool) -> None:
                 info.size = len(sample[field])
                 info.mtime = time.time() if pax else 0
                 tar.addfile(info, io.BytesIO(sample[field]))
+
+
+def picture(width: int, height: int, seed: int = 0) -> np.ndarray:
+    """A (height, width, 3) uint8 picture: colour gradients, a few discs and fine grain."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(width, height)
+    base = np.stack([np.sin(6 * x + c) * np.cos(5 * y - c) for c in (0.0, 1.0, 2.0)], -1)
+    pixels = 128 + 90 * base
+    for cx, cy, r, c in rng.uniform(0, 1, (6, 4)):
+        disc = (x - cx) ** 2 + (y - cy) ** 2 < (0.2 * r) ** 2
+        pixels[disc] = 255 * rng.uniform(0, 1, 3) * c
+    pixels += rng.normal(0, 3, (height, width, 1))
+    return np.clip(pixels, 0, 255).astype(np.uint8)
+
+
+def encoded(pixels: np.ndarray, format: str = "JPEG", mode: str = "RGB", **options: Any) -> bytes:
+    """``pixels`` in ``mode`` (RGB, L, CMYK, RGBA, P) encoded as ``format`` (quality 90 JPEG)."""
+    if format == "JPEG":
+        options.setdefault("quality", 90)
+    out = io.BytesIO()
+    Image.fromarray(pixels).convert(mode).save(out, format, **options)
+    return out.getvalue()
 
 
 def numbered_samples(first: int, count: int, size: int) -> list[dict]:

@@ -45,3 +45,28 @@ def test_take_cut_concat_keep_rows_together(values, data):
 def test_concat_fills_missing_columns_and_mixes_numpy_with_lists():
     joined = concat([{"a": np.array([1, 2]), "b": [1, 2]}, {"a": [3], "c": ["z"]}])
     assert joined == {"a": [1, 2, 3], "b": [1, 2, None], "c": [None, None, "z"]}
+
+
+@given(st.lists(st.dictionaries(st.sampled_from("abc"), st.integers(0, 9)), max_size=6))
+def test_columns_of_is_the_plain_per_key_gather(samples):
+    names = dict.fromkeys(key for sample in samples for key in sample)
+    expected = {name: [sample.get(name) for sample in samples] for name in names}
+    got = columns_of(samples)
+    assert got == expected and list(got) == list(expected)
+
+
+@given(st.lists(st.one_of(st.none(), st.text(max_size=3)), min_size=1, max_size=12), st.data())
+def test_arrow_columns_give_the_values_of_lists(values, data):
+    import pyarrow as pa
+
+    from nnh_data.batching import as_list, without_arrow
+
+    arrow, plain = {"s": pa.array(values, pa.string())}, {"s": list(values)}
+    n = len(values)
+    idx = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=2 * n)), dtype=np.int64)
+    a, b = data.draw(st.integers(0, n)), data.draw(st.integers(0, n))
+    assert as_list(take(arrow, idx)["s"]) == take(plain, idx)["s"]
+    assert as_list(cut(arrow, a, b)["s"]) == cut(plain, a, b)["s"]
+    assert as_list(concat([arrow, cut(arrow, a, b)])["s"]) == values + values[a:b]
+    assert concat([arrow, plain])["s"] == values + values  # mixed: Python values
+    assert without_arrow({"n": arrow})["n"]["s"] == values

@@ -463,3 +463,18 @@ def test_console_script_is_installed():
     (script,) = entry_points(group="console_scripts", name="nnh-precompute")
     assert script.value == "nnh_data.precompute_cli:main"
     assert os.access(Path(sys.executable).with_name("nnh-precompute"), os.X_OK)
+
+
+def test_a_table_with_crop_and_flip_columns(tmp_path):
+    """The imagenet preset's geometry columns are stored, looked up, verified and streamed."""
+    cfg = get_preset("imagenet")
+    spec = PrecomputeSpec(num_samples=30, epochs=2, config=cfg, seed=3, rows_per_file=25)
+    write_precomputed_params(spec, tmp_path, progress=False)
+    assert verify_precomputed_params(tmp_path) == 60
+    table = pq.read_table(tmp_path)
+    assert table.column_names[-6:] == ["crop_x", "crop_y", "crop_w", "crop_h", "flip", "seed"]
+    ids = np.array([29, 0, 7, 25])
+    got = load_precomputed_params(tmp_path).batch(ids, epoch=1)
+    want = gen_augmentation_params_batch(ids, config=cfg, base_seed=3, epoch=1, rank_aware=False)
+    assert list(got) == list(want)
+    assert all(got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]) for k in want)

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from nnh_data.augment import PARAM_NAMES
+from nnh_data.packed import PackedField
 from nnh_data.shards import build_shard_index
 from nnh_data.streaming import ShardedStreamingDataset, state_from_loader
 from nnh_data.transforms import apply_augmentation
@@ -152,7 +153,7 @@ def test_a_worker_state_names_the_batch_size_it_needs(tar_shards):
         list(other)
 
 
-def test_parquet_numeric_columns_come_as_numpy(tmp_path):
+def test_parquet_columns_come_as_tensors_and_packed_fields(tmp_path):
     table = pa.table(
         {
             "i": pa.array(range(6), pa.int32()),
@@ -163,8 +164,9 @@ def test_parquet_numeric_columns_come_as_numpy(tmp_path):
     )
     pq.write_table(table, tmp_path / "t.parquet", row_group_size=6)
     (batch,) = ShardedStreamingDataset(str(tmp_path / "t.parquet"), shuffle=False, batch_size=6)
-    assert batch["i"].dtype == np.int32 and batch["i"].tolist() == list(range(6))
-    assert batch["b"].dtype == np.bool_ and batch["s"] == list("abcdef")
+    assert batch["i"].dtype == torch.int32 and batch["i"].tolist() == list(range(6))
+    assert batch["b"].dtype == torch.bool and batch["s"] == list("abcdef")
+    assert isinstance(batch["s"], PackedField) and batch["s"][2] == "c"
     assert batch["f"] == [0.5, None, 1.5, 2.0, 2.5, 3.0]  # nulls keep Python values
     assert batch["__key__"] == [f"t/{i}" for i in range(6)]
 

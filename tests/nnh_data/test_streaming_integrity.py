@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 from nnh_data import ShardedStreamingDataset, ShardError, StaleIndexError, build_shard_index
@@ -145,7 +146,7 @@ def test_seed_has_one_form_in_both_modes(tar_shards):
     per_sample = {s["__index__"]: s["__aug__"]["seed"] for s in ShardedStreamingDataset(urls)}
     for batch in ShardedStreamingDataset(urls, batch_size=4):
         seeds = batch["__aug__"]["seed"]
-        assert seeds.dtype == np.int64
+        assert seeds.dtype == torch.int64
         assert [per_sample[i] for i in batch["__index__"].tolist()] == seeds.tolist()
 
 

@@ -288,3 +288,70 @@ def test_float_images_outside_the_value_range_warn():
         warnings.simplefilter("error")
         apply_augmentation(images, params, value_range=(-10.0, 10.0))
         apply_augmentation(images.clamp(0, 1), params)
+
+
+# --- crop and flip (the imagenet preset's geometry) -------------------------------------------
+
+
+def geometry(n: int, **values: float) -> dict[str, np.ndarray]:
+    """Identity parameters with a crop and flip column for ``n`` samples."""
+    cols = params(n)
+    for name, value in {"crop_x": 0.0, "crop_y": 0.0, "crop_w": 1.0, "crop_h": 1.0,
+                        "flip": 0, **values}.items():  # fmt: skip
+        cols[name] = np.full(n, value)
+    return cols
+
+
+def test_a_crop_is_stretched_to_the_whole_image():
+    from nnh_data.augment import crop_box, get_preset
+
+    images = torch.rand(5, 3, 30, 44, dtype=torch.float64)
+    cols = gen_augmentation_params_batch(range(5), config=get_preset("imagenet"), rank_aware=False)
+    out = apply_augmentation(images, cols)
+    for i in range(5):
+        left, top, right, bottom = crop_box({k: cols[k][i] for k in cols}, 44, 30)
+        want = torch.nn.functional.interpolate(
+            images[i : i + 1, :, top:bottom, left:right], size=(30, 44), mode="bilinear"
+        )[0]
+        want = want.flip(-1) if cols["flip"][i] else want
+        # grid_sample reads the image around the crop at its edges, interpolate clamps
+        torch.testing.assert_close(out[i, :, 2:-2, 2:-2], want[:, 2:-2, 2:-2])
+
+
+def test_a_flip_alone_is_an_exact_mirror_and_the_whole_image_is_untouched():
+    images = torch.randint(0, 256, (3, 3, 9, 13), dtype=torch.uint8)
+    cols = geometry(3)
+    cols["flip"] = np.array([1, 0, 1])
+    out = apply_augmentation(images, cols)
+    assert torch.equal(out[0], images[0].flip(-1)) and torch.equal(out[1], images[1])
+    assert torch.equal(out[2], images[2].flip(-1))
+
+
+def test_crop_flip_and_rotation_compose_and_dicts_work_too():
+    images = torch.rand(2, 1, 16, 16)
+    cols = geometry(2, crop_x=0.25, crop_y=0.25, crop_w=0.5, crop_h=0.5, flip=1, rotation=90.0)
+    out = apply_augmentation(images, cols)
+    rows = [{k: (v[i].item() if k != "seed" else format(int(v[i]), "016x"))
+             for k, v in cols.items()} for i in range(2)]  # fmt: skip
+    torch.testing.assert_close(apply_augmentation(images, rows), out)
+    no_rotation = apply_augmentation(images, {**cols, "rotation": np.zeros(2)})
+    # a quarter turn of the flipped crop: the crop's centre pixels only move, never blend
+    torch.testing.assert_close(out[:, :, 4:12, 4:12].sum(), no_rotation[:, :, 4:12, 4:12].sum())
+
+
+def test_geometry_keys_must_be_complete():
+    cols = geometry(1)
+    del cols["flip"]
+    with pytest.raises(ValueError, match="flip"):
+        apply_augmentation(torch.zeros(1, 1, 4, 4), cols)
+
+
+@CUDA
+def test_cuda_crop_and_flip_match_cpu():
+    from nnh_data.augment import get_preset
+
+    cfg = get_preset("imagenet")
+    p = gen_augmentation_params_batch(np.arange(8), config=cfg, rank_aware=False)
+    images = torch.rand(8, 3, 32, 40)
+    gpu = apply_augmentation(images.cuda(), p)
+    torch.testing.assert_close(gpu.cpu(), apply_augmentation(images, p), atol=1e-4, rtol=0)

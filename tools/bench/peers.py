@@ -1,0 +1,453 @@
+"""Benchmark: nnh against LitData, MosaicML Streaming and WebDataset on the same samples.
+
+Prints one JSON object. Every system reads the same samples written by its own writer
+(``nnh_data.write_shards`` tar, ``litdata.optimize`` chunks, ``streaming.MDSWriter`` shards,
+``webdataset.ShardWriter`` tar); the nnh tar is also read by WebDataset
+(``webdataset_on_nnh_tar``) and the ShardWriter tar by nnh (``nnh_on_wds_tar``). Each run is a
+fresh process, and the systems take turns within each round (the machine's load moves between
+rounds). Cases, each system shuffling and batching by 256 through its own loader (nnh:
+``streaming_loader``; LitData: ``StreamingDataLoader``; the others: ``torch.utils.data.
+DataLoader``):
+
+- ``small_w0`` / ``small_w2``: samples/s over one epoch of ``--samples`` samples (a 3 KiB
+  payload and an int label) with 0 and 2 DataLoader workers, the workers' start included.
+  Each run also reports the main process's CPU time per batch and the bytes one batch takes
+  pickled for the worker queue (``ForkingPickler``: tensors in shared memory go as a handle).
+- ``peak_pss_mib``: the largest sum of the proportional set sizes of a ``small_w2`` run's
+  processes (main and workers), sampled every 50 ms from outside.
+- ``first_batch_s``: seconds from building the dataset (after the imports) to the first batch
+  with 0 workers, on 10,000 shards of 10 samples (nnh finds its index sidecar on disk, as a
+  training job after the first does).
+- ``jpeg_w0`` / ``jpeg_w2``: images/s over ``--images`` 224x224 JPEGs, every system running the
+  same PIL decode (:func:`decode_jpeg`) per sample and the same default collate.
+
+Ratios are ``nnh_vs_<peer>``, figure by figure in the same round: above 1 means nnh is better
+(its rate over the peer's; the peer's seconds or memory over nnh's). The JSON holds each ratio's
+range over the rounds, each system's figures per round, and the load averages before and after.
+
+Peers: ``.venv/bin/pip install -e .[bench] -c <(echo torch==2.13.0)`` (pin torch: an unpinned
+install pulls a CUDA build). ``import streaming`` imports torchvision for ``streaming.vision``,
+and no torchvision wheel matches torch 2.13 on CPU, so this script installs a stub of the two
+torchvision modules that ``streaming.vision`` imports (nothing here uses them).
+
+    .venv/bin/python tools/bench/peers.py [--samples 100000] [--images 10000] [--rounds 3]
+        [--cases small,first_batch,jpeg] [--systems nnh,litdata,mosaic,webdataset]
+        [--data-dir DIR]  # keeps the written data sets between invocations
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.machinery
+import io
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+
+import numpy as np
+
+# this folder's streaming.py (the nnh benchmark) would shadow MosaicML's ``streaming`` package
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(__file__)]
+
+SAMPLE_BYTES = 3072
+BATCH = 256
+PER_SHARD = 5000  # ~15 MiB shards (chunks) for the throughput cases
+MANY_SHARDS, MANY_PER_SHARD = 10_000, 10
+IMAGE_SIDE = 224
+DISTINCT_IMAGES = 500  # images are drawn from a pool: decode costs the same, writing is quicker
+PSS_POLL_S = 0.05
+PEERS = ("litdata", "mosaic", "webdataset")
+SYSTEMS = ("nnh", "nnh_on_wds_tar", *PEERS, "webdataset_on_nnh_tar")
+CASES = ("small", "first_batch", "jpeg")
+
+
+# ---------------------------------------------------------------- samples
+
+
+def small_samples(count: int, first: int = 0):
+    """``count`` samples: a 3 KiB payload (rotations of one seeded random block, so every
+    system stores the same distinct bytes) and an int label."""
+    payload = np.random.default_rng(0).bytes(SAMPLE_BYTES)
+    for g in range(first, first + count):
+        k = g % SAMPLE_BYTES
+        yield {"__key__": f"{g:09d}", "bin": payload[k:] + payload[:k], "cls": g % 1000}
+
+
+def jpeg_pool() -> list[bytes]:
+    """``DISTINCT_IMAGES`` smooth random 224x224 RGB JPEGs (quality 90, ~10-20 KB)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    pool = []
+    for _ in range(DISTINCT_IMAGES):
+        small = Image.fromarray(rng.integers(0, 256, (14, 14, 3), dtype=np.uint8))
+        image = np.asarray(small.resize((IMAGE_SIDE, IMAGE_SIDE), Image.BILINEAR), np.int16)
+        noisy = np.clip(image + rng.integers(-8, 9, image.shape), 0, 255).astype(np.uint8)
+        out = io.BytesIO()
+        Image.fromarray(noisy).save(out, format="JPEG", quality=90)
+        pool.append(out.getvalue())
+    return pool
+
+
+def jpeg_samples(count: int):
+    pool = jpeg_pool()
+    for g in range(count):
+        yield {"__key__": f"{g:09d}", "jpg": pool[g % len(pool)], "cls": g % 1000}
+
+
+def decode_jpeg(data: bytes):
+    """The decode every system runs on an image: PIL to a (224, 224, 3) uint8 tensor."""
+    import torch
+    from PIL import Image
+
+    return torch.from_numpy(np.array(Image.open(io.BytesIO(data)).convert("RGB")))
+
+
+# ---------------------------------------------------------------- writers (each system's own)
+
+
+def stub_torchvision() -> None:
+    """``streaming.vision`` imports torchvision, which has no wheel for torch 2.13 on CPU."""
+    if "torchvision" in sys.modules:
+        return
+    names = ("torchvision", "torchvision.datasets", "torchvision.transforms",
+             "torchvision.transforms.functional")  # fmt: skip
+    for name in names:
+        module = sys.modules[name] = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # transformers asks
+    sys.modules["torchvision.datasets"].VisionDataset = object
+    sys.modules["torchvision.transforms.functional"].to_tensor = None
+
+
+def _litdata_item(sample: dict) -> dict:
+    return {k: v for k, v in sample.items() if k != "__key__"}
+
+
+def write_nnh(samples, folder: str, per_shard: int) -> None:
+    from nnh_data.writer import write_shards
+
+    write_shards(samples, f"{folder}/s-%06d.tar", max_count=per_shard)
+
+
+def write_wds(samples, folder: str, per_shard: int) -> None:
+    import webdataset as wds
+
+    os.makedirs(folder, exist_ok=True)
+    with wds.ShardWriter(f"{folder}/s-%06d.tar", maxcount=per_shard, verbose=0) as sink:
+        for sample in samples:
+            sink.write(sample)
+
+
+def write_litdata(samples, folder: str, per_shard: int) -> None:
+    from litdata.streaming.writer import BinaryWriter
+
+    writer = BinaryWriter(folder, chunk_size=per_shard)
+    for i, sample in enumerate(samples):
+        writer[i] = _litdata_item(sample)
+    writer.done()
+    writer.merge()
+
+
+def write_mosaic(samples, folder: str, per_shard: int) -> None:
+    stub_torchvision()
+    from streaming import MDSWriter
+
+    samples = iter(samples)
+    first = next(samples)
+    columns = {name: "bytes" for name in first if name not in ("__key__", "cls")}
+    columns["cls"] = "int"
+    # MDS cuts shards by bytes: each sample's bytes and its 4-byte offset, plus a header
+    size = sum(len(v) + 4 for k, v in first.items() if k in columns and k != "cls") + 8 + 4
+    with MDSWriter(out=folder, columns=columns, size_limit=size * per_shard + 64) as out:
+        for sample in itertools.chain([first], samples):
+            out.write({k: v for k, v in sample.items() if k in columns})
+
+
+WRITERS = {"nnh": write_nnh, "webdataset": write_wds, "litdata": write_litdata,
+           "mosaic": write_mosaic}  # fmt: skip
+FORMAT_OF = {"nnh": "nnh", "nnh_on_wds_tar": "webdataset", "litdata": "litdata",
+             "mosaic": "mosaic", "webdataset": "webdataset",
+             "webdataset_on_nnh_tar": "nnh"}  # fmt: skip
+
+
+def prepare(data: str, args: argparse.Namespace) -> None:
+    """Write each data set the cases need (kept when ``data`` already holds it)."""
+    formats = sorted({FORMAT_OF[s] for s in args.systems})
+    sets = {"small": (lambda: small_samples(args.samples), PER_SHARD),
+            "many": (lambda: small_samples(MANY_SHARDS * MANY_PER_SHARD), MANY_PER_SHARD),
+            "jpeg": (lambda: jpeg_samples(args.images), PER_SHARD // 5)}  # fmt: skip
+    needed = {"small": "small" in args.cases, "many": "first_batch" in args.cases,
+              "jpeg": "jpeg" in args.cases}  # fmt: skip
+    for name, (samples, per_shard) in sets.items():
+        for fmt in formats:
+            folder = f"{data}/{name}-{args.samples if name == 'small' else args.images}/{fmt}"
+            if name == "many":
+                folder = f"{data}/many/{fmt}"
+            if not needed[name] or os.path.exists(f"{folder}/.done"):
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+            start = time.perf_counter()
+            WRITERS[fmt](samples(), folder, per_shard)
+            if fmt in ("nnh", "webdataset"):  # the sidecar a job after the first finds
+                from nnh_data.shards import build_shard_index
+
+                build_shard_index(shard_pattern(folder))
+            open(f"{folder}/.done", "w").close()
+            print(f"wrote {folder} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+
+
+def shard_pattern(folder: str) -> str:
+    """A brace pattern of the tar shards of ``folder`` (what a user passes nnh and WebDataset)."""
+    count = sum(1 for name in os.listdir(folder) if name.endswith(".tar"))
+    return f"{folder}/s-{{000000..{count - 1:06d}}}.tar"
+
+
+# ---------------------------------------------------------------- readers (one run, child side)
+
+
+def _nnh_decode_jpeg(sample: dict) -> dict:
+    return {"image": decode_jpeg(sample["jpg"]), "cls": int(sample["cls"])}
+
+
+def _wds_decode_jpeg(sample: tuple) -> tuple:
+    return decode_jpeg(sample[0]), int(sample[1])
+
+
+def _mosaic_class(jpeg: bool):
+    from streaming import StreamingDataset
+
+    class Decoded(StreamingDataset):
+        def __getitem__(self, i):
+            sample = super().__getitem__(i)
+            return {"image": decode_jpeg(sample["jpg"]), "cls": sample["cls"]}
+
+    return Decoded if jpeg else StreamingDataset
+
+
+def loader_of(system: str, folder: str, workers: int, jpeg: bool):
+    """The loader a user of ``system`` writes for ``folder``: shuffled batches of ``BATCH``."""
+    if system in ("nnh", "nnh_on_wds_tar"):
+        from nnh_data import ShardedStreamingDataset, streaming_loader
+
+        decode = _nnh_decode_jpeg if jpeg else None
+        ds = ShardedStreamingDataset(shard_pattern(folder), decode=decode)
+        return streaming_loader(ds, BATCH, num_workers=workers)
+    if system == "litdata":
+        from litdata import StreamingDataLoader, StreamingDataset
+
+        transform = (lambda s: {"image": decode_jpeg(s["jpg"]), "cls": s["cls"]}) if jpeg else None
+        ds = StreamingDataset(folder, shuffle=True, transform=transform)
+        return StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers)
+    from torch.utils.data import DataLoader
+
+    if system == "mosaic":
+        stub_torchvision()
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+        ds = _mosaic_class(jpeg)(local=folder, shuffle=True, batch_size=BATCH)
+        return DataLoader(ds, batch_size=BATCH, num_workers=workers)
+    import webdataset as wds
+
+    field = "jpg" if jpeg else "bin"
+    pipeline = wds.WebDataset(shard_pattern(folder), shardshuffle=True, empty_check=False)
+    pipeline = pipeline.shuffle(1000).to_tuple(field, "cls")
+    pipeline = pipeline.map(_wds_decode_jpeg if jpeg else lambda s: (s[0], int(s[1])))
+    return DataLoader(pipeline, batch_size=BATCH, num_workers=workers)
+
+
+def rows_of(batch) -> int:
+    return len(batch["cls"] if isinstance(batch, dict) else batch[1])
+
+
+def run_epoch(system: str, folder: str, workers: int, jpeg: bool) -> dict:
+    """One epoch: rows/s, the main process's CPU per batch and one batch's pickled bytes."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor pickling
+
+    loader = loader_of(system, folder, workers, jpeg)
+    rows = batches = 0
+    first = None
+    start, cpu = time.perf_counter(), time.process_time()
+    for batch in loader:
+        rows += rows_of(batch)
+        batches += 1
+        first = batch if first is None else first
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    pickled = len(ForkingPickler.dumps(first))
+    del loader, batch, first  # the workers end and are waited for: their CPU time is counted
+    gc.collect()
+    workers = os.times().children_user + os.times().children_system
+    return {"rate": rows / seconds, "rows": rows, "main_cpu_ms_per_batch": 1e3 * cpu / batches,
+            "cpu_us_per_row": 1e6 * (cpu + workers) / rows, "pickled_bytes_per_batch": pickled}
+
+
+def run_first_batch(system: str, folder: str) -> dict:
+    start = time.perf_counter()
+    next(iter(loader_of(system, folder, 0, False)))
+    return {"seconds": time.perf_counter() - start}
+
+
+def child(system: str, case: str, folder: str) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    if system == "mosaic":
+        stub_torchvision()
+        import streaming  # noqa: F401 - imported before the clock starts, like the others
+    elif system == "litdata":
+        import litdata  # noqa: F401
+    elif system.startswith("webdataset"):
+        import webdataset  # noqa: F401
+    else:
+        import nnh_data  # noqa: F401
+    if case == "first_batch":
+        out = run_first_batch(system, folder)
+    else:
+        out = run_epoch(system, folder, int(case[-1]), case.startswith("jpeg"))
+    print(json.dumps(out))
+
+
+# ---------------------------------------------------------------- rounds (parent side)
+
+
+def tree_pss_kib(pid: int) -> int:
+    """The summed ``Pss`` of process ``pid`` and its descendants (0 for those that ended)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += map(int, f.read().split())
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
+def run_child(system: str, case: str, folder: str, watch_pss: bool) -> dict:
+    cmd = [sys.executable, __file__, "--child", system, case, folder]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    if watch_pss:
+        done = threading.Event()
+
+        def watch() -> None:
+            nonlocal peak
+            while not done.wait(PSS_POLL_S):
+                peak = max(peak, tree_pss_kib(proc.pid))
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+    out, err = proc.communicate()
+    if watch_pss:
+        done.set()
+        thread.join()
+    if proc.returncode:
+        raise RuntimeError(f"{system} {case} failed:\n{err[-3000:]}")
+    result = json.loads(out.strip().splitlines()[-1])
+    if watch_pss:
+        result["peak_pss_mib"] = peak / 1024
+    return result
+
+
+def folder_of(data: str, system: str, case: str, args: argparse.Namespace) -> str:
+    fmt = FORMAT_OF[system]
+    if case == "first_batch":
+        return f"{data}/many/{fmt}"
+    if case.startswith("jpeg"):
+        return f"{data}/jpeg-{args.images}/{fmt}"
+    return f"{data}/small-{args.samples}/{fmt}"
+
+
+def figure_of(case: str, result: dict) -> tuple[str, float, bool]:
+    """The figure a case compares, and whether higher is better."""
+    if case == "first_batch":
+        return "first_batch_s", result["seconds"], False
+    return case, result["rate"], True
+
+
+def summary(results: dict, systems: list[str]) -> dict:
+    """Per figure: each system's values per round and ``nnh_vs_<system>`` ranges."""
+    out: dict = {}
+    for (case, system), runs in results.items():
+        entry = out.setdefault(case, {})
+        entry[system] = [round(v, 3 if case == "first_batch_s" else 1) for v, _ in runs]
+    ratios: dict = {}
+    for case, entry in out.items():
+        if "nnh" not in entry:
+            continue
+        higher = results[(case, "nnh")][0][1]
+        for system in systems:
+            if system == "nnh" or system not in entry:
+                continue
+            pairs = zip(entry["nnh"], entry[system])
+            per_round = [n / p if higher else p / n for n, p in pairs if n and p]
+            ratios[f"{case}:nnh_vs_{system}"] = [round(min(per_round), 2),
+                                                 round(max(per_round), 2)]  # fmt: skip
+    return {"ratios": ratios, "figures": out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=100_000)
+    parser.add_argument("--images", type=int, default=10_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--child", nargs=3, metavar=("SYSTEM", "CASE", "FOLDER"))
+    args = parser.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+    args.cases = args.cases.split(",")
+    args.systems = args.systems.split(",")
+    data = args.data_dir or tempfile.mkdtemp(prefix="nnh-peers-")
+    try:
+        load_before = os.getloadavg()
+        prepare(data, args)
+        runs = [c for case in args.cases for c in (
+            (case,) if case == "first_batch" else (f"{case}_w0", f"{case}_w2"))]  # fmt: skip
+        results: dict = {}
+        extra: dict = {}
+        for r in range(args.rounds):
+            for case in runs:
+                turn = args.systems[r % len(args.systems):] + args.systems[: r % len(args.systems)]
+                for system in turn:
+                    if case.startswith("jpeg") and system.endswith(("_tar",)):
+                        continue  # the cross-format readers are measured on small samples
+                    folder = folder_of(data, system, case, args)
+                    result = run_child(system, case, folder, watch_pss=case == "small_w2")
+                    name, value, higher = figure_of(case, result)
+                    results.setdefault((name, system), []).append((value, higher))
+                    if "peak_pss_mib" in result:
+                        results.setdefault(("peak_pss_mib", system), []).append(
+                            (result["peak_pss_mib"], False))
+                    for key in ("main_cpu_ms_per_batch", "pickled_bytes_per_batch"):
+                        if key in result:
+                            extra.setdefault(f"{case}:{key}", {}).setdefault(
+                                system, []).append(round(result[key], 2))
+                    print(f"round {r} {case} {system}: {result}", file=sys.stderr)
+        out = summary(results, args.systems)
+        out.update(samples=args.samples, images=args.images, rounds=args.rounds, per_batch=extra,
+                   load_before=load_before, load_after=os.getloadavg())  # fmt: skip
+        print(json.dumps(out))
+    finally:
+        if args.data_dir is None:
+            shutil.rmtree(data, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
