@@ -1000,7 +1000,7 @@ def _warn_epoch_unseen(loader: DataLoader) -> None:
     """Warn when ``set_epoch`` on the given loader's dataset would not reach its persistent
     workers (each keeps the copy it started with)."""
     dataset = loader.dataset
-    shared = isinstance(dataset, (ShardedStreamingDataset, SharedEpochDataset))
+    shared = streaming_dataset_of(loader) is not None or isinstance(dataset, SharedEpochDataset)
     if loader.persistent_workers and callable(getattr(dataset, "set_epoch", None)) and not shared:
         warnings.warn(
             f"the DataLoader's dataset {type(dataset).__name__} has set_epoch, which the "
