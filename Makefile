@@ -12,7 +12,7 @@ $(PY):
 # torch==2.13.0 first when missing: the CPU wheel lies on disk; an unpinned torch pulls a CUDA build.
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,lightning,accelerate]"
 	touch $(STAMP)
 
 # The main job on CPU: 2 DDP processes, synthetic shards written once to build/demo/data.

@@ -1,5 +1,6 @@
 """nnh_data: rank-aware sharded streaming datasets with deterministic augmentation parameters."""
 
+from nnh_data.audit import AuditReport, EpochAudit, ExactlyOnceError
 from nnh_data.augment import (
     GEOMETRY_NAMES,
     PARAM_NAMES,
@@ -57,8 +58,11 @@ __all__ = [
     "AugmentModule",
     "AugmentParams",
     "AugmentationConfig",
+    "AuditReport",
     "CacheEntry",
     "DistributedRangeSplitter",
+    "EpochAudit",
+    "ExactlyOnceError",
     "PrecomputeSpec",
     "PrecomputedParams",
     "RankAwareSeedGenerator",

@@ -58,6 +58,7 @@ class CachedPass:
         self._file: BinaryIO | None = None
         self._from_copy: set[str] = set()  # URLs of the shards read from a local copy
         self._damaged: list[ShardInfo] = []  # copies that failed to decode, to discard
+        self.local = False  # the last block fetched came from a local copy
 
     def blocks(self) -> Iterator[Block]:
         """The pass's blocks, the cache session open while they are read."""
@@ -88,9 +89,11 @@ class CachedPass:
             try:
                 payload = self.reader.fetch(info, start, stop, self._file)
                 self._from_copy.add(info.url)
+                self.local = True
                 return payload
             except ShardError:
                 self._discard(info)  # a bad local copy: read the remote, download it again
+        self.local = False
         return self.reader.fetch(info, start, stop)
 
     def copy_failed(self, info: ShardInfo) -> bool:

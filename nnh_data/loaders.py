@@ -40,6 +40,7 @@ from torch.utils.data import (
 
 from nnh_data.checks import check_choice, check_int
 from nnh_data.order import UNEVEN, hashed_permutation, rank_span
+from nnh_data.second_cut import check_caller
 from nnh_data.seeding import mix64_int, stream_key
 from nnh_data.streaming import ShardedStreamingDataset
 from nnh_data.topology import dist_info, env_int
@@ -556,6 +557,7 @@ class RankCachedSampler(Sampler[int]):
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
+        check_caller()
         if not self.shuffle:
             return iter(range(self.num_samples))
         key = stream_key(self.seed, self.epoch, 1) ^ mix64_int(_CACHE_ORDER_DOMAIN + self.rank)

@@ -39,6 +39,7 @@ __all__ = [
     "STATE_VERSION",
     "check_matches",
     "check_state",
+    "loader_states",
     "make_state",
     "merge_states",
     "next_base",
@@ -246,15 +247,28 @@ def state_from_loader(loader_state: Mapping[str, Any]) -> dict[str, Any]:
         >>> state = state_from_loader(loader.state_dict())  # doctest: +SKIP
         >>> new_ds.load_state_dict(state)  # any world size / num_workers  # doctest: +SKIP
     """
+    return merge_states(loader_states(loader_state))
+
+
+def loader_states(loader_state: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The dataset states inside a torchdata ``StatefulDataLoader.state_dict()``, one per
+    DataLoader worker in worker order (each with its own count only), or the one state of a
+    loader without workers: what the loader restores into its dataset copies."""
     if "_snapshot" not in loader_state:  # num_workers=0
-        return merge_states([loader_state["dataset_state"]])
+        return [check_state(loader_state["dataset_state"])]
     if loader_state["_steps_since_snapshot"]:
         raise ValueError(
             "loader_state was taken between snapshots; create the StatefulDataLoader with "
             "snapshot_every_n_steps=1 (the default)"
         )
     workers = loader_state["_snapshot"]["_worker_snapshots"].values()
-    return merge_states(w["dataset_state"] for w in workers)
+    states = [check_state(w["dataset_state"]) for w in workers]
+    return sorted(states, key=_worker_of)
+
+
+def _worker_of(state: Mapping[str, Any]) -> int:
+    """The worker a one-worker state belongs to: the one whose count it holds."""
+    return next(k for k, count in enumerate(state["consumed"]) if count is not None)
 
 
 def next_base(state: Mapping[str, Any] | None, total: int, uneven: str) -> Intervals:

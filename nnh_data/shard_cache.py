@@ -378,9 +378,7 @@ class _Counters:
 
     def add(self, name: str, count: int = 1) -> None:
         with self._lock:
-            if self.pid != os.getpid():  # first use, or a forked child
-                self.pid = os.getpid()
-                self.values = _load_counts(self._path())
+            self._own()
             self.values[name] += count
             record = ", ".join(f'"{k}": {v:<20d}' for k, v in self.values.items())
             fd = os.open(self._path(), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
@@ -388,6 +386,17 @@ class _Counters:
                 os.pwrite(fd, ("{" + record + "}\n").encode(), 0)
             finally:
                 os.close(fd)
+
+    def current(self) -> dict[str, int]:
+        """A copy of this process's counts."""
+        with self._lock:
+            self._own()
+            return dict(self.values)
+
+    def _own(self) -> None:
+        if self.pid != os.getpid():  # first use, or a forked child
+            self.pid = os.getpid()
+            self.values = _load_counts(self._path())
 
     def _path(self) -> str:
         return os.path.join(self.folder, f"{self.pid}.json")
@@ -501,6 +510,11 @@ class ShardCache:
             "in_flight_bytes": sum(p.size for p in usage.parts),
             **counts,
         }
+
+    def process_counts(self) -> dict[str, int]:
+        """This process's ``downloads``, ``hits``, ``around`` and ``evictions`` in this folder:
+        its part of what :meth:`stats` sums over every process."""
+        return _Counters.of(self._folder("stats")).current()
 
     def evict(self, url: str) -> bool:
         """Remove the cached copies of ``url`` that nobody reads; True when one was removed."""

@@ -13,6 +13,7 @@ its own.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain, groupby
 from typing import Any
@@ -26,9 +27,10 @@ from nnh_data.mixing import SourceDraws
 from nnh_data.order import Intervals, coalesce
 from nnh_data.readahead import read_ahead
 from nnh_data.shard_cache import ShardCache
-from nnh_data.shard_index import ShardError, ShardIndex
+from nnh_data.shard_index import ShardError, ShardIndex, ShardInfo
 from nnh_data.shards import ShardReader, decode_shard_columns, decode_shard_range, split_shard_range
 from nnh_data.sources import is_local
+from nnh_data.stats import DECODE_NS, RETRIES, Meter
 
 __all__ = ["SourceReader"]
 
@@ -76,11 +78,14 @@ class SourceReader:
         *,
         following: tuple[Intervals, Sequence[int]] | None = None,
         num_workers: int = 1,
+        meter: Meter | None = None,
     ) -> Iterator[stages.Part]:
         """The rows of draws ``draws`` (intervals of this epoch's draws, in order) then of the
         single draws ``pads`` (marked ``__pad__``), in that order, as parts. With a cache:
         ``following`` holds the draws and pads this worker reads next epoch (planned in the
-        cache), ``num_workers`` the DataLoader workers taking turns with it."""
+        cache), ``num_workers`` the DataLoader workers taking turns with it. ``meter`` counts
+        the reads and their decoding (:mod:`nnh_data.stats`)."""
+        meter = Meter.alone() if meter is None else meter
         runs, singles = self._runs(epoch, draws, pads)
         blocks = self._blocks(runs, singles)
         reader = ShardReader(self.storage_options, self.nullable, arrow=rows is stages.COLUMNS)
@@ -90,8 +95,12 @@ class SourceReader:
             cached = CachedPass(self.cache, reader, self.index.shards, list(blocks), upcoming,
                                 prefetch=self.cache_prefetch, num_workers=num_workers)  # fmt: skip
             blocks, fetch = cached.blocks(), cached.fetch
-        fetched = read_ahead(functools.partial(self._fetch, fetch), blocks, self.readahead)
-        decoded = ((b[3], self._rows_of(b, payload, rows, fetch, cached)) for b, payload in fetched)
+        remote = not is_local(self.index.shards[0].url)
+        read = functools.partial(self._fetch, fetch, meter.reads(), remote, cached)
+        fetched = read_ahead(read, blocks, self.readahead)
+        decoded = (
+            (b[3], self._rows_of(b, payload, rows, fetch, cached, meter)) for b, payload in fetched
+        )
         window = self.draws.window
         for cycle, positions in runs:
             order = self.draws.order(cycle)
@@ -148,13 +157,23 @@ class SourceReader:
     def _split(self, shard: int, start: int, stop: int) -> list[tuple[int, int]]:
         return split_shard_range(self.index.shards[shard], start, stop, max_bytes=_READ_BYTES)
 
-    def _fetch(self, fetch: Callable[..., Any], block: stages.Block) -> object:
-        """Read one block; a ``ShardError`` is returned, to be handled where it is decoded."""
+    def _fetch(
+        self, fetch: Callable[..., Any], reads: list[int], remote: bool,
+        cached: CachedPass | None, block: stages.Block,
+    ) -> object:  # fmt: skip
+        """Read one block, counted in ``reads`` (this thread's); a ``ShardError`` is returned,
+        to be handled where it is decoded."""
         shard, start, stop, _ = block
+        info = self.index.shards[shard]
+        began = time.perf_counter_ns()
         try:
-            return fetch(self.index.shards[shard], start, stop)
+            payload = fetch(info, start, stop)
         except ShardError as exc:
             return exc
+        got = remote and (cached is None or not cached.local)  # not from a cached copy
+        Meter.read(reads, stop - start, _nbytes(info, payload, start, stop),
+                   time.perf_counter_ns() - began, got)  # fmt: skip
+        return payload
 
     def _rows_of(
         self,
@@ -163,12 +182,14 @@ class SourceReader:
         rows: stages.Rows,
         fetch: Callable[..., Any],
         cached: CachedPass | None,
+        meter: Meter,
     ) -> Any:
         """The rows of a block (unreadable samples as ``None`` rows), ``__shard__`` set; a
         block read from a cached copy that fails to decode is read again from the remote;
         what fails to decode as a whole is salvaged in smaller pieces (``fetch`` reads them)."""
         shard, start, stop, _ = block
         info = self.index.shards[shard]
+        began = time.perf_counter_ns()
         try:
             if isinstance(payload, ShardError):
                 raise payload
@@ -178,7 +199,17 @@ class SourceReader:
                 out = decode_shard_columns(info, payload, start, stop)
         except ShardError as exc:
             if cached is not None and cached.copy_failed(info):
+                meter.add(RETRIES, 1)
                 remote = cached.fetch_remote
-                return self._rows_of(block, self._fetch(remote, block), rows, remote, None)
+                again = self._fetch(remote, meter.reads(), True, None, block)
+                return self._rows_of(block, again, rows, remote, None, meter)
             out = self.errors.salvaged(info, payload, start, stop, exc, rows, fetch)
+        meter.add(DECODE_NS, time.perf_counter_ns() - began)
         return rows.label(out, "__shard__", info.url)
+
+
+def _nbytes(info: ShardInfo, payload: object, start: int, stop: int) -> int:
+    """Bytes a block read: a tar block's own; a Parquet block's share of its file."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return len(payload)
+    return info.size * (stop - start) // max(info.num_samples, 1)

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,18 +52,21 @@ from nnh_data.resume import (
     state_from_loader,
     workers_iterated_error,
 )
+from nnh_data.second_cut import check_caller
 from nnh_data.seeding import MASK64
 from nnh_data.shard_cache import ShardCache
 from nnh_data.shards import ShardIndex, build_shard_index
 from nnh_data.source_reader import SourceReader
 from nnh_data.sources import is_local
 from nnh_data.stages import LEFT_OUT, Progress
+from nnh_data.stats import PARAMS_NS, DataStats, Meter
 from nnh_data.topology import built_on_rank0, dist_info, dist_ready, in_worker_process, worker_info
 
-__all__ = ["ShardedStreamingDataset", "merge_states", "state_from_loader"]
+__all__ = ["ShardedStreamingDataset", "merge_states", "state_from_loader", "streaming_dataset_of"]
 
 _REMOTE_READAHEAD = 2
 _MIX_CHUNK = 4096  # mixed positions interleaved per part
+_LABEL_CHUNK = 1 << 20  # planned labels computed at a time
 
 
 @dataclass
@@ -75,6 +79,7 @@ class _Pass:
     num_workers: int
     worker: int
     progress: Progress = field(default_factory=Progress)
+    meter: Meter = field(default_factory=Meter.alone)  # counts for ds.stats()
 
 
 class ShardedStreamingDataset(IterableDataset):
@@ -175,6 +180,8 @@ class ShardedStreamingDataset(IterableDataset):
         urls = [info.url for info in self.index.shards]
         lost = [None if info.error is None else info.lost for info in self.index.shards]
         self._errors = ErrorPolicy(on_error, urls, self._shared[2:], lost)
+        self.data_stats = DataStats()  # what every process reading this dataset counts
+        self._skipped_before = sum(self.error_counts.values())
         # The epoch of the last pass started and whether a repeat was warned about (shared).
         self._passes = torch.tensor([-1, 0], dtype=torch.int64).share_memory_()
         self._readers = _source_readers(
@@ -216,9 +223,27 @@ class ShardedStreamingDataset(IterableDataset):
         DataLoader workers."""
         return self._errors.counts()
 
+    def stats(self) -> dict[str, float]:
+        """Where this rank's data time went since the epoch was set, summed over this
+        process and its DataLoader workers: ``samples`` and ``bytes`` read, ``read_s``,
+        ``decode_s``, ``params_s``, ``wait_s`` (the loop's wait, when reported), ``gets``,
+        ``retries``, ``cache_hits``, ``cache_misses``, ``cache_evictions``, ``skipped`` (see
+        :mod:`nnh_data.stats`; :func:`~nnh_data.stats.sum_over_ranks` adds the ranks').
+
+        Example:
+            >>> ds.stats()["read_s"]  # doctest: +SKIP
+            0.42
+        """
+        skipped = sum(self.error_counts.values()) - self._skipped_before
+        return self.data_stats.epoch(skipped)
+
     def set_epoch(self, epoch: int) -> None:
         """Iterate epoch ``epoch`` next, also in persistent DataLoader workers; a new epoch
-        starts from its beginning (a resume state loaded for this same epoch is kept)."""
+        starts from its beginning (a resume state loaded for this same epoch is kept).
+        :meth:`stats` counts from here."""
+        check_caller()
+        self.data_stats.start_epoch()
+        self._skipped_before = sum(self.error_counts.values())
         epoch = check_int("epoch", epoch, low=0, high=MASK64)
         if epoch != self.epoch:
             self._shared[0] = epoch
@@ -286,9 +311,34 @@ class ShardedStreamingDataset(IterableDataset):
         self._shared[0], self._shared[1] = state["epoch"], 0
         self._pending, self._pass = state, None
 
+    def planned_labels(
+        self, states: Sequence[Mapping[str, Any] | None] = (None,)
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """The labels of what this rank hands out in its pass of the current epoch, computed
+        without reading a shard: chunks of ``__index__``, ``__pad__``, ``__source__`` (the
+        source's position) and ``__repeat__``, in no particular order.
+
+        ``states[k]`` is the state worker ``k`` of ``len(states)`` resumes from, as a
+        ``StatefulDataLoader`` restores them (:func:`~nnh_data.resume.loader_states`); one
+        state with every count re-splits what its epoch has left; ``(None,)``: the whole
+        epoch. :class:`~nnh_data.audit.EpochAudit` compares what a loop consumed with it.
+        """
+        mixed = MixedOrder(tuple(self._counts), self.seed, self.epoch)
+        for k, state in enumerate(states):
+            if state is not None:
+                check_matches(check_state(state), self._settings)
+            base, consumed = pass_start(
+                state, total=self.total_samples, uneven=self.uneven, world_size=self.world_size,
+                num_workers=len(states), worker=k, unit=self._unit,
+            )  # fmt: skip
+            plan = worker_plan(base, self.world_size, self.rank, len(states), k, self.uneven,
+                               consumed, self._unit)  # fmt: skip
+            yield from _plan_labels(self._readers, mixed, plan)
+
     # ------------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
+        check_caller()
         return self._iterate(rows=False)
 
     def loader_view(self) -> IterableDataset:
@@ -315,13 +365,14 @@ class ShardedStreamingDataset(IterableDataset):
             state, total=self.total_samples, uneven=self.uneven, world_size=self.world_size,
             num_workers=num_workers, worker=worker, unit=self._unit,
         )  # fmt: skip
-        run = self._pass = _Pass(self.epoch, base, self.world_size, num_workers, worker)
+        run = self._pass = _Pass(self.epoch, base, self.world_size, num_workers, worker,
+                                 meter=self.data_stats.meter(self.cache))  # fmt: skip
         run.progress.consumed = consumed
         plan = worker_plan(base, self.world_size, self.rank, num_workers, worker, self.uneven,
                            consumed, self._unit)  # fmt: skip
         self._check_precomputed()
         kind = stages.SAMPLES if self.batch_size is None and not rows else stages.COLUMNS
-        columns = functools.partial(self._params.columns, epoch=run.epoch)
+        columns = functools.partial(self._columns, run.meter, epoch=run.epoch)
         parts = stages.with_parameters(self._parts(plan, kind, run), columns)
         if rows:
             return stages.hand_out_rows(parts, run.progress, self._skipped)
@@ -355,19 +406,38 @@ class ShardedStreamingDataset(IterableDataset):
             [(0, self.total_samples)], self.world_size, self.rank, run.num_workers, run.worker,
             self.uneven, 0, self._unit)  # fmt: skip
         return _worker_parts(self._readers, MixedOrder(tuple(self._counts), self.seed, run.epoch),
-                             plan, upcoming, rows, run.num_workers)  # fmt: skip
+                             plan, upcoming, rows, run.num_workers, run.meter)  # fmt: skip
+
+    def _columns(self, meter: Meter, keys: np.ndarray, epoch: int) -> dict[str, np.ndarray]:
+        """A part's parameters (see :class:`_Parameters`), timed; the part is counted."""
+        meter.part(keys.size)
+        began = time.perf_counter_ns()
+        columns = self._params.columns(keys, epoch)
+        meter.add(PARAMS_NS, time.perf_counter_ns() - began)
+        return columns
 
     def _finish(self, item: Any) -> Any:
         """The item as handed out: rows skipped as unreadable dropped (batches), ``decode``
         applied (a batch without it as tensors and packed fields, :mod:`nnh_data.handoff`);
         ``LEFT_OUT`` when nothing is left."""
         if self.batch_size is None:
-            return self._errors.decoded(self.decode, item)
+            return self._decoded(item, 1)
         if (item := self._errors.readable(item)) is LEFT_OUT:
             return LEFT_OUT
         if self.decode is None:
             return tensor_columns(item)
-        return handed_out(self._errors.decoded(self.decode, batching.without_arrow(item)))
+        return handed_out(self._decoded(batching.without_arrow(item), batching.num_rows(item)))
+
+    def _decoded(self, item: Any, items: int) -> Any:
+        """``decode`` applied to ``item`` (of ``items`` rows), timed in the parts the pass's
+        meter samples."""
+        meter = self._pass.meter
+        if not meter.timing:
+            return self._errors.decoded(self.decode, item)
+        began = time.perf_counter_ns()
+        item = self._errors.decoded(self.decode, item)
+        meter.decoded(time.perf_counter_ns() - began, items)
+        return item
 
     def _skipped(self, label: dict) -> None:
         """Count an unreadable sample as it comes to be handed out."""
@@ -380,6 +450,21 @@ class ShardedStreamingDataset(IterableDataset):
         self._params.check(self.epoch, self.total_samples)
 
 
+def streaming_dataset_of(data: Any) -> ShardedStreamingDataset | None:
+    """The :class:`ShardedStreamingDataset` ``data`` is, or that a loader reads (its dataset,
+    or the :meth:`~ShardedStreamingDataset.loader_view` it iterates); None for anything else.
+
+    Example:
+        >>> streaming_dataset_of(streaming_loader(ds, 64)) is ds  # doctest: +SKIP
+        True
+    """
+    for _ in range(3):  # the dataset, a loader's dataset, or a loader's view of it
+        if isinstance(data, ShardedStreamingDataset):
+            return data
+        data = getattr(data, "dataset", None)
+    return None
+
+
 class _LoaderView(IterableDataset):
     """See :meth:`ShardedStreamingDataset.loader_view`."""
 
@@ -387,6 +472,7 @@ class _LoaderView(IterableDataset):
         self.dataset = dataset
 
     def __iter__(self) -> Iterator[tuple[dict, int]]:
+        check_caller()
         return self.dataset._iterate(rows=True)
 
     def __len__(self) -> int:
@@ -479,24 +565,49 @@ def _worker_parts(
     upcoming: WorkerPlan | None,
     rows: stages.Rows,
     num_workers: int,
+    meter: Meter,
 ) -> Iterator[stages.Part]:
     """The parts of ``plan``'s positions: one source's, or each source's draws of the mixed
     epoch read in its own order and interleaved by :func:`stages.mix`. ``upcoming``: the
-    worker's plan of the next epoch, for the cache."""
+    worker's plan of the next epoch, for the cache; ``meter`` counts the reads."""
     epoch = mixed.epoch
     if len(readers) == 1:
         following = None if upcoming is None else (upcoming.positions, upcoming.pads)
         return readers[0].parts(epoch, plan.positions, plan.pads, rows, following=following,
-                                num_workers=num_workers)  # fmt: skip
+                                num_workers=num_workers, meter=meter)  # fmt: skip
     draws = _source_draws(mixed, plan)
     following = [None] * len(readers) if upcoming is None else _source_draws(
         MixedOrder(mixed.counts, mixed.seed, epoch + 1), upcoming)  # fmt: skip
-    streams = [r.parts(epoch, *draws[s], rows, following=following[s], num_workers=num_workers)
-               for s, r in enumerate(readers)]  # fmt: skip
+    streams = [r.parts(epoch, *draws[s], rows, following=following[s], num_workers=num_workers,
+                       meter=meter) for s, r in enumerate(readers)]  # fmt: skip
     chunks = [mixed.assign(a, min(a + _MIX_CHUNK, hi))[0]
               for lo, hi in plan.positions for a in range(lo, hi, _MIX_CHUNK)]  # fmt: skip
     chunks += [mixed.assign(p, p + 1)[0] for p in plan.pads]
     return stages.mix(streams, chunks, rows)
+
+
+def _plan_labels(
+    readers: list[SourceReader], mixed: MixedOrder, plan: WorkerPlan
+) -> Iterator[dict[str, np.ndarray]]:
+    """The labels of ``plan``'s rows, by source, in chunks of at most ``_LABEL_CHUNK``."""
+    if len(readers) == 1:
+        draws = [(plan.positions, list(plan.pads))]
+    else:
+        draws = _source_draws(mixed, plan)
+    for s, (intervals, pads) in enumerate(draws):
+        source = readers[s].draws
+        spans = [(a, min(a + _LABEL_CHUNK, hi)) for lo, hi in intervals
+                 for a in range(lo, hi, _LABEL_CHUNK)]  # fmt: skip
+        for a, b in spans:
+            yield _labels(s, *source.sample_ids(mixed.epoch, a, b), pad=False)
+        for j in range(0, len(pads), _LABEL_CHUNK):
+            got = [source.sample_ids(mixed.epoch, p, p + 1) for p in pads[j : j + _LABEL_CHUNK]]
+            yield _labels(s, *(np.concatenate(c) for c in zip(*got)), pad=True)
+
+
+def _labels(source: int, ids: np.ndarray, occurrences: np.ndarray, pad: bool) -> dict:
+    return {"__index__": ids, "__pad__": np.full(ids.size, pad),
+            "__source__": np.full(ids.size, source), "__repeat__": occurrences > 0}  # fmt: skip
 
 
 def _source_draws(mixed: MixedOrder, plan: WorkerPlan) -> list[tuple[Intervals, list[int]]]:

@@ -59,7 +59,9 @@ from nnh_data.loaders import (
     create_distributed_loader,
     create_rank_cached_dataloader,
 )
-from nnh_data.streaming import ShardedStreamingDataset, state_from_loader
+from nnh_data.stats import describe as describe_data
+from nnh_data.stats import sum_over_ranks
+from nnh_data.streaming import ShardedStreamingDataset, state_from_loader, streaming_dataset_of
 from nnh_data.streaming_loader import streaming_loader
 from nnh_train.callbacks import Callback, ModelCheckpoint
 from nnh_train.checkpoint import (
@@ -189,6 +191,7 @@ class NNHandler(OriginalAPI):
         self.train_metrics: dict[str, list[float]] = {}
         self.val_metrics: dict[str, list[float]] = {}
         self.val_epochs: list[int] = []
+        self.data_waits: list[float | None] = []  # the share of each epoch spent waiting
         self.epoch = self.step = 0
         self.step_loss = math.nan
         self.epoch_logs: dict[str, Any] = {}
@@ -611,9 +614,13 @@ class NNHandler(OriginalAPI):
             self._validate()
         self._step_epoch_scheduler(validated)
         self.epoch_logs = self._logs(validated)
+        self.data_waits.append(self.epoch_logs["data_wait"])
         self.epoch += 1
         self._batches_done, self._sums = 0, []
         self._log(_describe(self.epoch_logs, run.epochs))
+        if "data_samples" in self.epoch_logs:  # a streaming dataset's figures, over all ranks
+            self._log(describe_data({k[5:]: v for k, v in self.epoch_logs.items()
+                                     if k.startswith("data_") and k != "data_wait"}))
         self._call("on_epoch_end")
 
     def _validate(self) -> None:
@@ -661,6 +668,12 @@ class NNHandler(OriginalAPI):
         seconds, waited = self._timing
         logs["samples_per_s"] = self._sums[1] / seconds if self._sums and seconds > 0 else None
         logs["data_wait"] = waited / seconds if seconds > 0 else None
+        dataset = streaming_dataset_of(self.train_loader)
+        if dataset is not None:  # one all_reduce: every rank's figures
+            wait = 0.0 if math.isnan(waited) else waited
+            data = {**dataset.stats(), "wait_s": wait}
+            data = sum_over_ranks(data) if self.distributed else data
+            logs.update((f"data_{name}", value) for name, value in data.items())
         return logs
 
     def history(self, name: str) -> list[float]:
@@ -743,6 +756,7 @@ class NNHandler(OriginalAPI):
                 "train_metrics": self.train_metrics,
                 "val_metrics": self.val_metrics,
                 "val_epochs": self.val_epochs,
+                "data_waits": self.data_waits,
             },  # fmt: skip
             "world_size": self.world_size,
             "ranks": shares,
@@ -779,6 +793,7 @@ class NNHandler(OriginalAPI):
         self.train_losses, self.val_losses = history["train_losses"], history["val_losses"]
         self.train_metrics, self.val_metrics = history["train_metrics"], history["val_metrics"]
         self.val_epochs = history["val_epochs"]
+        self.data_waits = history.get("data_waits", [None] * len(self.train_losses))
         self._resume = self._rank_resume(state, os.fspath(path))
 
     def _rank_resume(self, state: dict[str, Any], path: str) -> dict[str, Any]:
@@ -883,8 +898,9 @@ class NNHandler(OriginalAPI):
         self, path: str | os.PathLike | bool | None = None,
         save_path: str | os.PathLike | None = None, log_y_scale: bool = False,
     ) -> None:  # fmt: skip
-        """Training and validation loss per epoch, as a PNG at ``path`` (rank 0 writes; its
-        folder is created), or shown without a path. The original NNHandler's arguments work
+        """Training and validation loss per epoch, and below it the share of each epoch spent
+        waiting for batches, as a PNG at ``path`` (rank 0 writes; its folder is created), or
+        shown without a path. The original NNHandler's arguments work
         too: ``plot_losses(log_y_scale: bool, save_path=None)``.
 
         Example:
@@ -893,6 +909,9 @@ class NNHandler(OriginalAPI):
         path, log_y = plot_request(path, save_path, log_y_scale)
         if self.rank == 0:
             panels = [("loss", self.train_losses, self.val_losses)]
+            if any(w is not None for w in self.data_waits):  # beside it, the data wait
+                waits = [math.nan if w is None else w for w in self.data_waits]
+                panels.append(("data wait (share of the epoch)", waits, []))
             plot_history(panels, self.val_epochs, path, log_y)
 
     def plot_metrics(
@@ -981,7 +1000,7 @@ def _warn_epoch_unseen(loader: DataLoader) -> None:
     """Warn when ``set_epoch`` on the given loader's dataset would not reach its persistent
     workers (each keeps the copy it started with)."""
     dataset = loader.dataset
-    shared = isinstance(dataset, (ShardedStreamingDataset, SharedEpochDataset))
+    shared = streaming_dataset_of(loader) is not None or isinstance(dataset, SharedEpochDataset)
     if loader.persistent_workers and callable(getattr(dataset, "set_epoch", None)) and not shared:
         warnings.warn(
             f"the DataLoader's dataset {type(dataset).__name__} has set_epoch, which the "
@@ -1178,6 +1197,7 @@ def _describe(logs: Mapping[str, Any], epochs: int) -> str:
     figures = ", ".join(
         f"{name} {value:.4g}" for name, value in logs.items()
         if value is not None and name not in ("epoch", "step", "samples_per_s", "data_wait")
+        and not name.startswith("data_")
     )  # fmt: skip
     speed = logs["samples_per_s"]
     tail = "" if speed is None else f" | {speed:.0f} samples/s, data wait {logs['data_wait']:.0%}"

@@ -247,3 +247,16 @@ def test_a_dataloader_whose_workers_miss_set_epoch_is_warned_about():
                                       persistent_workers=True))  # fmt: skip
         h.set_train_loader(ds, batch_size=4, num_workers=1)  # wrapped by the handler
     assert isinstance(h.train_loader.dataset, SharedEpochDataset)
+
+
+def test_a_streaming_loader_with_persistent_workers_is_not_warned_about(tar_shards):
+    """``streaming_loader`` hands its loader a view of the dataset; set_epoch reaches the
+    workers through it, so the persistent-workers warning does not apply."""
+    from nnh_data import streaming_loader
+
+    h = stream_handler(tar_shards([7, 9, 8]))
+    loader = streaming_loader(ShardedStreamingDataset(tar_shards([5], name="other")), 4,
+                              num_workers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        h.set_train_loader(loader)
