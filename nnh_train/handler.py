@@ -56,6 +56,7 @@ from nnh_data.gather import gather_for_metrics
 from nnh_data.loaders import RankCache, create_distributed_loader, create_rank_cached_dataloader
 from nnh_data.streaming import ShardedStreamingDataset, state_from_loader
 from nnh_data.streaming_loader import streaming_loader
+from nnh_data.worker_signals import shielded_worker_init
 from nnh_train.callbacks import Callback, ModelCheckpoint
 from nnh_train.checkpoint import (
     load_checkpoint,
@@ -71,7 +72,8 @@ from nnh_train.preemption import (
     PREEMPTED_EXIT_CODE,
     SignalFlag,
     catch_signals,
-    exit_now,
+    exit_preempted,
+    reported_interrupt,
     requeue,
 )
 
@@ -260,6 +262,7 @@ class NNHandler:
             if batch_size is not None or kwargs or cache:
                 raise ValueError("a DataLoader is used as it is: pass no batch_size, cache or "
                                  "loader arguments with it")  # fmt: skip
+            data.worker_init_fn = shielded_worker_init(data.worker_init_fn)
             return data
         batch_size = check_int("batch_size", batch_size, low=1)
         if isinstance(data, ShardedStreamingDataset) and not cache:
@@ -325,7 +328,7 @@ class NNHandler:
         if resume is not None:
             self.load_state(resume)
         self.should_stop = False
-        with self._signals(run.preempt_path):
+        with self._signals(run.preempt_path), reported_interrupt(lambda: self._stopped_at(run)):
             self._call("on_train_begin")
             while self.epoch < run.epochs and not self.should_stop and self._train_epoch(run):
                 self._end_epoch(run)
@@ -604,7 +607,14 @@ class NNHandler:
         self.save(run.preempt_path)
         if run.requeue and self.rank == 0:
             requeue()
-        exit_now(PREEMPTED_EXIT_CODE)
+        exit_preempted(self.rank)
+
+    def _stopped_at(self, run: _Run) -> str:
+        """Where a Ctrl-C stopped this rank, and the checkpoint that a run resumes from."""
+        path = run.preempt_path
+        saved = f"last checkpoint {path}" if path and os.path.exists(path) else "no checkpoint"
+        return (f"rank {self.rank}: interrupted at step {self.step} (epoch {self.epoch + 1}, "
+                f"batch {self._batches_done}); {saved}")  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
 
