@@ -393,7 +393,7 @@ class NNHandler:
             batches = _resumed(loader, resume, self._batches_done)
             set_rng_state(resume["rng"])
         else:
-            batches = iter(loader)
+            batches = _iterate(loader)
         seen = self._batches_done * (loader.batch_size or 1)
         return _counted(batches, _pad_flags(loader), seen)
 
@@ -543,7 +543,7 @@ class NNHandler:
         sums = self._zeros(2 + len(self.metrics))
         _set_epoch(loader, self.epoch)
         with torch.no_grad(), _eval_mode(self.module):
-            for batch, size, pads in _counted(iter(loader), _pad_flags(loader), 0):
+            for batch, size, pads in _counted(_iterate(loader), _pad_flags(loader), 0):
                 count = size if pads is None else size - int(pads.sum())
                 if count == 0:
                     continue
@@ -755,7 +755,7 @@ class NNHandler:
         order, start = _epoch_ids(loader), 0
         outputs, ids = [], []
         with torch.no_grad(), _eval_mode(self.module):
-            for batch, size, pads in _counted(iter(loader), _pad_flags(loader), 0):
+            for batch, size, pads in _counted(_iterate(loader), _pad_flags(loader), 0):
                 keep = torch.ones(size, dtype=torch.bool) if pads is None else ~pads
                 ids.append(_batch_ids(batch, order, start, size)[keep])
                 start += size
@@ -914,18 +914,30 @@ def _set_epoch(loader: DataLoader, epoch: int) -> None:
             holder.set_epoch(epoch)
 
 
+def _iterate(loader: DataLoader) -> Iterator[Any]:
+    """``iter(loader)``, leaving the global generator as it was when it starts persistent
+    workers. A DataLoader draws its workers' base seed from that generator when it starts
+    them: at the first epoch with persistent workers, at every epoch without. A resumed run
+    starts them at a later epoch, and the draw would shift its random stream (dropout...)."""
+    starts = loader.persistent_workers and loader.num_workers > 0 and loader._iterator is None
+    if not starts:
+        return iter(loader)
+    with torch.random.fork_rng(devices=[]):
+        return iter(loader)
+
+
 def _resumed(loader: DataLoader, resume: dict[str, Any], skip: int) -> Iterator[Any]:
     """``loader``'s batches from batch ``skip`` of the epoch on: from the loader's saved state,
     from a stream state merged over workers (another world size: the rest is split again), or
     by replaying the sampler."""
     if resume.get("dataset") is not None:
         loader.dataset.load_state_dict(resume["dataset"])
-        return iter(loader)
+        return _iterate(loader)
     if resume["loader"] is not None:
         loader.load_state_dict(resume["loader"])
-        return iter(loader)
+        return _iterate(loader)
     if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
-        batches = iter(loader)
+        batches = _iterate(loader)
         for _ in islice(batches, skip):  # no sampler to replay: read and drop
             pass
         return batches
