@@ -44,6 +44,7 @@ from nnh_data.second_cut import check_caller
 from nnh_data.seeding import mix64_int, stream_key
 from nnh_data.streaming import ShardedStreamingDataset
 from nnh_data.topology import dist_info, env_int
+from nnh_data.worker_signals import shielded_worker_init
 
 __all__ = [
     "SPLITS",
@@ -88,6 +89,7 @@ def create_distributed_loader(
     ``set_epoch`` (or ``loader.dataset.set_epoch``) reaches persistent workers too.
     Defaults, each overridden by ``loader_kwargs``: ``num_workers`` from
     :func:`default_num_workers`, ``pin_memory`` on CUDA, ``persistent_workers`` with workers.
+    Workers ignore the signals meant for their rank (:mod:`nnh_data.worker_signals`).
     Works without a process group (rank and world size from :func:`nnh_data.topology.dist_info`).
 
     Args:
@@ -124,6 +126,7 @@ def create_distributed_loader(
     kwargs.setdefault("num_workers", workers)
     kwargs.setdefault("pin_memory", torch.device(device).type == "cuda")
     kwargs.setdefault("persistent_workers", kwargs["num_workers"] > 0)
+    kwargs["worker_init_fn"] = shielded_worker_init(kwargs.get("worker_init_fn"))
     loader = DataLoader(dataset, sampler=sampler, drop_last=drop_last, **kwargs)
     log_fn(
         f"distributed loader: rank {rank}/{world_size} reads {len(sampler)} of {len(dataset)} "
@@ -333,6 +336,7 @@ def create_rank_cached_dataloader(
     pin = _pin_memory(device, kwargs.pop("pin_memory", pin_memory), on_device)
     first_pass = {key: kwargs.pop(key) for key in _WORKER_KEYS if key in kwargs}
     first_pass.setdefault("num_workers", default_num_workers()[0])
+    first_pass["worker_init_fn"] = shielded_worker_init(first_pass.get("worker_init_fn"))
     kwargs.pop("persistent_workers", None)  # the first pass is the only one with workers
     if isinstance(dataset, IterableDataset):
         where = _stream_layout(dataset, split, uneven)

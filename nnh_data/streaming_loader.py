@@ -8,11 +8,13 @@ the workers' progress. This helper tells the dataset the loader's batch size, so
 are cut in whole batches (``len(loader)`` is exact, at most one short batch per rank), and
 returns torchdata's ``StatefulDataLoader``, whose ``state_dict()`` holds every worker's
 position. Persistent workers are on by default with workers: the dataset shares its epoch with
-them, so ``set_epoch`` reaches them.
+them, so ``set_epoch`` reaches them. Workers ignore the signals meant for their rank
+(:mod:`nnh_data.worker_signals`).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -20,6 +22,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from nnh_data.checks import check_int
 from nnh_data.handoff import collate_decoded, collate_rows
 from nnh_data.streaming import ShardedStreamingDataset
+from nnh_data.worker_signals import shielded_worker_init
 
 __all__ = ["streaming_loader"]
 
@@ -68,6 +71,9 @@ def streaming_loader(
             iterated, loader_kwargs["collate_fn"] = dataset.loader_view(), collate_rows
         else:
             loader_kwargs["collate_fn"] = collate_decoded
-    return StatefulDataLoader(
-        iterated, batch_size=loader_batch, num_workers=num_workers, **loader_kwargs
-    )
+    loader_kwargs["worker_init_fn"] = shielded_worker_init(loader_kwargs.get("worker_init_fn"))
+    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which warns
+        warnings.filterwarnings("ignore", "'set_vital' is deprecated", UserWarning)
+        return StatefulDataLoader(
+            iterated, batch_size=loader_batch, num_workers=num_workers, **loader_kwargs
+        )

@@ -5,11 +5,16 @@ The launcher is read from the environment once, into a :class:`LaunchEnv`: torch
 ``SLURM_NTASKS``, and values that contradict each other raise before any rank starts waiting for
 peers that will never come. Under ``srun`` the rendezvous needs no wrapper script: ``MASTER_ADDR``
 defaults to the step's first node and ``MASTER_PORT`` to a port derived from the job id. The
-backend follows the device: nccl for CUDA, gloo otherwise.
+backend follows the device: nccl for CUDA, gloo otherwise. A group started here is destroyed
+at interpreter exit, before the interpreter stops the threads its backend may still call into
+(gloo's, which otherwise abort the process now and then: ``terminate called without an active
+exception``); a rank started by torchrun gets SIGTERM when its agent dies, so that it saves and
+stops (see :mod:`nnh_train.preemption`) instead of training on, orphaned.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import warnings
 from collections.abc import Mapping, MutableMapping
@@ -21,6 +26,7 @@ import torch.distributed as dist
 
 from nnh_data.checks import check_int
 from nnh_data.topology import dist_ready
+from nnh_train.preemption import follow_launcher
 from nnh_train.slurm import expand_slurm_nodelist, expand_tasks_per_node
 
 __all__ = [
@@ -105,14 +111,23 @@ def _initialize_distributed(
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)
     backend = "nccl" if chosen.type == "cuda" else "gloo"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        follow_launcher()
     dist.init_process_group(
         backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout
     )
+    atexit.unregister(_destroy_at_exit)  # once, however many groups this process starts
+    atexit.register(_destroy_at_exit)
     if chosen.type == "cuda":
         dist.barrier(device_ids=[chosen.index])
     else:
         dist.barrier()
     return True, launch.rank, launch.local_rank, launch.world_size, chosen
+
+
+def _destroy_at_exit() -> None:
+    if dist_ready():
+        dist.destroy_process_group()
 
 
 def get_dist_info() -> DistInfo:

@@ -63,6 +63,7 @@ from nnh_data.stats import describe as describe_data
 from nnh_data.stats import sum_over_ranks
 from nnh_data.streaming import ShardedStreamingDataset, state_from_loader, streaming_dataset_of
 from nnh_data.streaming_loader import streaming_loader
+from nnh_data.worker_signals import shielded_worker_init
 from nnh_train.callbacks import Callback, ModelCheckpoint
 from nnh_train.checkpoint import (
     load_checkpoint,
@@ -90,7 +91,8 @@ from nnh_train.preemption import (
     PREEMPTED_EXIT_CODE,
     SignalFlag,
     catch_signals,
-    exit_now,
+    exit_preempted,
+    reported_interrupt,
     requeue,
 )
 from nnh_train.run_lock import acquire_run_dirs, release_run_dirs
@@ -321,6 +323,7 @@ class NNHandler(OriginalAPI):
                 raise ValueError("a DataLoader is used as it is: pass no batch_size, cache or "
                                  "loader arguments with it")  # fmt: skip
             _warn_epoch_unseen(data)
+            data.worker_init_fn = shielded_worker_init(data.worker_init_fn)
             return data
         batch_size = check_int("batch_size", batch_size, low=1)
         if isinstance(data, ShardedStreamingDataset) and not cache:
@@ -405,7 +408,12 @@ class NNHandler(OriginalAPI):
         if resume is not None:
             self.load_state(resume)
         self.should_stop = False
-        with self._run_dirs_locked(), self._signals(run.preempt_path), _unused_parameters_named():
+        with (
+            self._run_dirs_locked(),
+            self._signals(run.preempt_path),
+            reported_interrupt(lambda: self._stopped_at(run)),
+            _unused_parameters_named(),
+        ):
             self._call("on_train_begin")
             while self.epoch < run.epochs and not self.should_stop and self._train_epoch(run):
                 self._end_epoch(run)
@@ -483,7 +491,7 @@ class NNHandler(OriginalAPI):
             batches = _resumed(loader, resume, self._batches_done)
             set_rng_state(resume["rng"])
         else:
-            batches = iter(loader)
+            batches = _iterate(loader)
         seen = self._batches_done * (loader.batch_size or 1)
         return _counted(batches, _pad_flags(loader), seen)
 
@@ -637,7 +645,7 @@ class NNHandler(OriginalAPI):
         sums = self._zeros(2 + len(self.metrics))
         _set_epoch(loader, self.epoch)
         with torch.no_grad(), _eval_mode(self.module):
-            for batch, size, pads in _counted(iter(loader), _pad_flags(loader), 0):
+            for batch, size, pads in _counted(_iterate(loader), _pad_flags(loader), 0):
                 count = size if pads is None else size - int(pads.sum())
                 if count == 0:
                     continue
@@ -707,7 +715,14 @@ class NNHandler(OriginalAPI):
         self.save(run.preempt_path)
         if run.requeue and self.rank == 0:
             requeue()
-        exit_now(PREEMPTED_EXIT_CODE)
+        exit_preempted(self.rank)
+
+    def _stopped_at(self, run: _Run) -> str:
+        """Where a Ctrl-C stopped this rank, and the checkpoint that a run resumes from."""
+        path = run.preempt_path
+        saved = f"last checkpoint {path}" if path and os.path.exists(path) else "no checkpoint"
+        return (f"rank {self.rank}: interrupted at step {self.step} (epoch {self.epoch + 1}, "
+                f"batch {self._batches_done}); {saved}")  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -855,7 +870,7 @@ class NNHandler(OriginalAPI):
         order, start = _epoch_ids(loader), 0
         outputs, ids = [], []
         with torch.no_grad(), _eval_mode(self.module):
-            for batch, size, pads in _counted(iter(loader), _pad_flags(loader), 0):
+            for batch, size, pads in _counted(_iterate(loader), _pad_flags(loader), 0):
                 keep = torch.ones(size, dtype=torch.bool) if pads is None else ~pads
                 ids.append(_batch_ids(batch, order, start, size, self.distributed)[keep])
                 start += size
@@ -1093,18 +1108,30 @@ def _set_epoch(loader: DataLoader, epoch: int) -> None:
             holder.set_epoch(epoch)
 
 
+def _iterate(loader: DataLoader) -> Iterator[Any]:
+    """``iter(loader)``, leaving the global generator as it was when it starts persistent
+    workers. A DataLoader draws its workers' base seed from that generator when it starts
+    them: at the first epoch with persistent workers, at every epoch without. A resumed run
+    starts them at a later epoch, and the draw would shift its random stream (dropout...)."""
+    starts = loader.persistent_workers and loader.num_workers > 0 and loader._iterator is None
+    if not starts:
+        return iter(loader)
+    with torch.random.fork_rng(devices=[]):
+        return iter(loader)
+
+
 def _resumed(loader: DataLoader, resume: dict[str, Any], skip: int) -> Iterator[Any]:
     """``loader``'s batches from batch ``skip`` of the epoch on: from the loader's saved state,
     from a stream state merged over workers (another world size: the rest is split again), or
     by replaying the sampler."""
     if resume.get("dataset") is not None:
         loader.dataset.load_state_dict(resume["dataset"])
-        return iter(loader)
+        return _iterate(loader)
     if resume["loader"] is not None:
         loader.load_state_dict(resume["loader"])
-        return iter(loader)
+        return _iterate(loader)
     if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
-        batches = iter(loader)
+        batches = _iterate(loader)
         for _ in islice(batches, skip):  # no sampler to replay: read and drop
             pass
         return batches

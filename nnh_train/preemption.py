@@ -7,26 +7,48 @@ figures, so every rank learns at the same step boundary that some rank was signa
 save the same checkpoint and exit with :data:`PREEMPTED_EXIT_CODE`. The handlers are installed
 for the duration of training only, call the handlers they replace when those are Python
 functions (a user's own SIGTERM handler keeps working), and the originals are restored after.
+
+Around that: a rank of a torchrun agent gets SIGTERM when its agent dies (the agent may be
+killed outright: SIGUSR1 does on torch < 2.9), so it saves instead of training on, orphaned;
+each preempted rank records itself where ``nnh-torchrun`` (:mod:`nnh_train.torchrun`) looks,
+so that the launcher's exit code says preempted too; and Ctrl-C (SIGINT, which torchrun and
+srun pass to every rank) stops a rank at once with one line saying where it stopped and what
+checkpoint is on disk, instead of a traceback per process.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import FrameType
+from types import FrameType, TracebackType
 
-__all__ = ["PREEMPTED_EXIT_CODE", "PREEMPTION_SIGNALS", "SignalFlag", "catch_signals",
-           "exit_now", "requeue"]  # fmt: skip
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "PREEMPTED_RECORD_ENV",
+    "PREEMPTION_SIGNALS",
+    "SignalFlag",
+    "catch_signals",
+    "exit_now",
+    "exit_preempted",
+    "follow_launcher",
+    "reported_interrupt",
+    "requeue",
+]
 
 PREEMPTED_EXIT_CODE = 75
 """Exit status after a preemption save: ``EX_TEMPFAIL`` of sysexits.h, "try again later"."""
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+PREEMPTED_RECORD_ENV = "NNH_PREEMPTED_RECORD"
+"""Names the file where each rank exiting with :data:`PREEMPTED_EXIT_CODE` appends its rank
+(set by ``nnh-torchrun`` for its ranks)."""
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class SignalFlag:
@@ -72,6 +94,53 @@ def catch_signals(enabled: bool = True) -> Iterator[SignalFlag]:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+
+
+def follow_launcher() -> None:
+    """Ask for SIGTERM when this process's parent (torchrun's agent) dies; Linux only."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+@contextmanager
+def reported_interrupt(where: Callable[[], str]) -> Iterator[None]:
+    """A KeyboardInterrupt inside prints ``where()`` on stderr and ends the program (if nothing
+    catches it) without a traceback, with the status of a process stopped by SIGINT.
+
+    Example:
+        >>> with reported_interrupt(lambda: f"rank {rank}: interrupted at step {step}"):
+        ...     train()
+    """
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        print(where(), file=sys.stderr, flush=True)
+        exc.nnh_reported = True
+        _install_quiet_excepthook()
+        raise
+
+
+def _install_quiet_excepthook() -> None:
+    if getattr(sys.excepthook, "nnh_quiet", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if not getattr(exc, "nnh_reported", False):
+            previous(kind, exc, tb)
+
+    hook.nnh_quiet = True
+    sys.excepthook = hook
+
+
+def exit_preempted(rank: int) -> None:
+    """Record ``rank`` where :data:`PREEMPTED_RECORD_ENV` says, then :func:`exit_now` with
+    :data:`PREEMPTED_EXIT_CODE`."""
+    record = os.environ.get(PREEMPTED_RECORD_ENV)
+    if record:
+        with open(record, "a") as fh:
+            fh.write(f"{rank}\n")
+    exit_now(PREEMPTED_EXIT_CODE)
 
 
 def exit_now(code: int) -> None:

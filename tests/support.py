@@ -73,6 +73,7 @@ __all__ = [
     "free_port",
     "numbered_samples",
     "picture",
+    "processes_mentioning",
     "run_distributed",
     "run_forked",
     "sample_bytes",
@@ -94,6 +95,25 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def processes_mentioning(text: str, timeout: float = 30.0) -> list[str]:
+    """The command lines of the processes whose command line contains ``text`` (a test's own
+    folder), once none is left or after ``timeout`` seconds (read from /proc: forked DataLoader
+    workers show their rank's command line)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                try:
+                    line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                except OSError:  # ended meanwhile
+                    continue
+                found += [f"{entry.name}: {line}"] if text in line else []
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
 
 
 def run_distributed(

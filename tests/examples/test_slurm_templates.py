@@ -1,7 +1,9 @@
 """``examples/slurm/*.sbatch`` and ``train_minimal.py`` under Slurm: the templates are valid bash
 and use the variables ``initialize_ddp`` reads; on the loopback cluster of ``../shared/slurm``,
-``srun -n 2`` trains like torchrun, and ``scancel --signal=USR1`` of the CPU form of a template
-makes it save, requeue itself and finish with the weights of an uninterrupted run."""
+``srun -n 2`` trains like torchrun, and ``scancel --signal=USR1`` of the CPU form of each
+template (its own launch line: srun, or srun of nnh-torchrun with one agent or a c10d
+rendezvous) makes it save, exit 75, requeue itself and finish with the weights of an
+uninterrupted run."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 import tests.examples.test_train_minimal as e2e
 from tests.examples.test_train_minimal import ARGS, SCRIPT, assert_same_weights, env
 from tests.nnh_data import test_precompute_slurm
-from tests.support import ROOT
+from tests.support import ROOT, free_port
 
 data_dir, reference = e2e.data_dir, e2e.reference  # its module-scoped fixtures, used here too
 cluster = test_precompute_slurm.cluster  # skips unless the loopback Slurm answers (or starts)
@@ -96,27 +98,51 @@ def cpu_form(template: Path, folder: Path) -> Path:
     return path
 
 
-@pytest.mark.timeout(480)
-def test_usr1_saves_requeues_and_the_job_finishes_with_the_same_weights(
+# sbatch options making each template a job of 2 ranks on the one loopback node.
+TWO_RANKS = {
+    "multi_node_one_gpu.sbatch": ["--ntasks-per-node=2"],  # one rank per srun task
+    "one_node_multi_gpu.sbatch": ["--ntasks-per-node=1"],  # torchrun starts GPUS=2 ranks
+    "multi_node_multi_gpu.sbatch": ["--ntasks-per-node=1"],
+}
+
+
+def submit(template: Path, folder: Path, data_dir: str) -> tuple[str, Path, Path]:
+    """The CPU form of ``template`` as a 2-rank job: (job id, run folder, log)."""
+    folder.mkdir()
+    script = cpu_form(template, folder)
+    run_dir, log = folder / "run", folder / "job.out"
+    command = ["sbatch", "--parsable", "--nodes=1", *TWO_RANKS[template.name],
+               "--cpus-per-task=1", "--time=10", f"--chdir={ROOT}", f"--output={log}",
+               str(script), *ARGS, "--data-dir", data_dir, "--run-dir", str(run_dir)]  # fmt: skip
+    env = {**slurm_env(), "PYTHON": sys.executable, "GPUS": "2", "RDZV_PORT": str(free_port())}
+    done = subprocess.run(command, env=env, check=True, capture_output=True, text=True,
+                          timeout=30)  # fmt: skip
+    return done.stdout.strip().split(";")[0], run_dir, log
+
+
+@pytest.mark.timeout(600)
+def test_usr1_to_each_template_saves_exits_75_requeues_and_ends_with_the_same_weights(
     cluster, reference, data_dir, tmp_path
 ):
-    script = cpu_form(ROOT / "examples" / "slurm" / "multi_node_one_gpu.sbatch", tmp_path)
-    run_dir, log = tmp_path / "run", tmp_path / "job.out"
-    submit = ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
-              "--time=10", f"--chdir={ROOT}", f"--output={log}", str(script), *ARGS,
-              "--data-dir", data_dir, "--run-dir", str(run_dir)]  # fmt: skip
-    done = subprocess.run(submit, env={**slurm_env(), "PYTHON": sys.executable}, check=True,
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
-    job = done.stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 200
-    while not (run_dir / "last.pt").exists():
-        assert time.monotonic() < deadline, f"no checkpoint: {job_fields(job)}"
+    jobs = {t.name: submit(t, tmp_path / t.stem, data_dir) for t in TEMPLATES}  # all at once
+    waiting, deadline = dict(jobs), time.monotonic() + 300
+    while waiting:  # signal each job once it has a checkpoint to resume from
+        for name, (job, run_dir, _) in list(waiting.items()):
+            if (run_dir / "last.pt").exists():
+                subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=20)
+                del waiting[name]
+        assert time.monotonic() < deadline, [job_fields(job) for job, *_ in waiting.values()]
         time.sleep(0.05)
-    subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=20)
-    fields = wait_for_job(job, 400)
-    text = log.read_text()
-    assert fields["JobState"] == "COMPLETED", (fields, text[-4000:])
-    assert fields["Restarts"] == "1", text[-4000:]  # saved, requeued, run again
-    assert "exiting with code 75" in text and "resuming from" in text
-    assert "validation accuracy" in text
-    assert_same_weights(reference[0] / "last.pt", run_dir / "last.pt")
+    for name, (job, run_dir, log) in jobs.items():
+        fields, text = wait_for_job(job, 500), log.read_text()
+        assert fields["JobState"] == "COMPLETED", (name, fields, text[-4000:])
+        assert fields["Restarts"] == "1", (name, text[-4000:])  # saved, requeued, run again
+        assert "exiting with code 75" in text and "resuming from" in text, (name, text[-4000:])
+        if "nnh_train.torchrun" in template_text(name):
+            assert "nnh-torchrun: the ranks saved after a preemption signal; exit code 75" in text
+        assert "validation accuracy" in text and "Traceback" not in text, (name, text[-4000:])
+        assert_same_weights(reference[0] / "last.pt", run_dir / "last.pt")
+
+
+def template_text(name: str) -> str:
+    return (ROOT / "examples" / "slurm" / name).read_text()

@@ -1,11 +1,14 @@
-"""Started by tests/nnh_train/test_handler_preempt.py, one process per rank (torchrun's
-variables set): train a small MLP with dropout for 3 epochs, checkpointing into FOLDER
-(``last.pt``, also the preemption save), and save the end state to ``FOLDER/final.pt``.
+"""Started by tests/nnh_train/test_handler_preempt.py, one process per rank (by the test with
+torchrun's variables, or by torchrun, nnh-torchrun or srun): train a small MLP with dropout for 3
+epochs, checkpointing into FOLDER (``last.pt``, also the preemption save), and save the end state
+to ``FOLDER/final.pt``.
 
     python handler_job.py FOLDER [--resume PATH] [--every N] [--slow SECONDS] [--requeue]
+                                 [--workers N]
 
 ``--slow`` sleeps after each step and writes the step count to ``FOLDER/progress-RANK``, so that
-the test can signal or kill a rank mid-epoch.
+the test can signal or kill a rank mid-epoch. ``--workers`` DataLoader workers (persistent).
+The process ends through the interpreter's own exit.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def main() -> None:
     parser.add_argument("--every", type=int)
     parser.add_argument("--slow", type=float)
     parser.add_argument("--requeue", action="store_true")
+    parser.add_argument("--workers", type=int, default=0)
     args = parser.parse_args()
     torch.manual_seed(0)
     handler = NNHandler(Net, device="cpu")
@@ -48,16 +52,12 @@ def main() -> None:
     handler.log_fn = lambda line: None
     handler.set_optimizer(torch.optim.Adam, lr=0.01)
     handler.set_loss_fn(nn.functional.mse_loss)
-    handler.set_train_loader(data(96), batch_size=4, num_workers=0)  # 12 steps per epoch
+    handler.set_train_loader(data(96), batch_size=4, num_workers=args.workers)  # 12 steps/epoch
     handler.add_callback(ModelCheckpoint(args.folder, every_n_steps=args.every))
     if args.slow:
         handler.add_callback(Progress(args.folder, args.slow))
     handler.train(3, resume=args.resume, requeue=args.requeue)
     handler.save(os.path.join(args.folder, "final.pt"))
-    # No interpreter shutdown right after a gloo collective: gloo's worker thread may still
-    # release a tensor then, and Python stops it mid-release, which aborts the process.
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
