@@ -47,8 +47,9 @@ T = TypeVar("T")
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True when trying again may succeed: ``exc`` or what it was raised from is an I/O or
-    network error, not a missing or forbidden object, a stale index or bad bytes.
+    """True when trying again may succeed: ``exc``, what it was raised from or while handling
+    (a library's error about a timeout, say) is an I/O or network error, not a missing or
+    forbidden object, a stale index or bad bytes.
 
     Example:
         >>> is_transient(ConnectionResetError()), is_transient(FileNotFoundError("x"))
@@ -64,7 +65,7 @@ def is_transient(exc: BaseException) -> bool:
             c.__name__ for c in type(cause).__mro__
         ):
             return True
-        cause = cause.__cause__
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
     return False
 
 

@@ -55,7 +55,7 @@ import warnings
 import weakref
 import zlib
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -1051,21 +1051,36 @@ def _read_remote(
     ShardError."""
     try:
         fs, path = remote_fs(info.url, options)
-        with ThreadPoolExecutor(1) as pool:
-            details = pool.submit(retrying, functools.partial(fs.info, path), info.url, "open")
-            for start in range(0, info.size, CHUNK_BYTES):
-                if abort.is_set():
-                    return
-                end = min(info.size, start + CHUNK_BYTES)
-                read = functools.partial(fs.cat_file, path, start=start, end=end)
-                _put(chunks, retrying(read, info.url, f"byte {start}"), abort)
-            _check_version(info, details.result())
+        details = _in_background(functools.partial(
+            retrying, functools.partial(fs.info, path), info.url, "open"))  # fmt: skip
+        for start in range(0, info.size, CHUNK_BYTES):
+            if abort.is_set():
+                return
+            end = min(info.size, start + CHUNK_BYTES)
+            read = functools.partial(fs.cat_file, path, start=start, end=end)
+            _put(chunks, retrying(read, info.url, f"byte {start}"), abort)
+        _check_version(info, details.result())
         _put(chunks, b"", abort)
     except BaseException as exc:  # handed to the consumer, which raises it
         if not isinstance(exc, ShardError):
             error = ShardError(info.url, "download", f"{type(exc).__name__}: {exc}")
             error.__cause__, exc = exc, error
         _put(chunks, exc, abort)
+
+
+def _in_background(call: Callable[[], Any]) -> Future:
+    """``call()`` in a daemon thread, which never holds up its process's exit (an executor's
+    thread does, for as long as a remote call takes)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # handed to the caller of result()
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name="nnh-cache-details").start()
+    return future
 
 
 def _put(chunks: queue.Queue, item: object, abort: threading.Event) -> None:
@@ -1290,9 +1305,9 @@ class CacheSession:
                     outcome = self.cache._fetch_ahead(info, t, self)
                 except ShardError:  # kept in _failed: the read on demand raises it
                     outcome = "failed"
-                except OSError:
-                    self._starved = True  # the folder failed: the read on demand goes around
-                    outcome = "failed"
+                except OSError as exc:  # the folder failed: the read on demand goes around
+                    _warn_local(self.cache, exc)
+                    self._starved, outcome = True, "failed"
                 if outcome != "cached" or self.stopping.is_set():
                     break
             with self._changed:
