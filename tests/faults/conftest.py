@@ -4,10 +4,12 @@
   as Parquet (two row groups each), built once per module: ``remote.index`` (their index, read
   straight from moto), ``remote.expected`` (the Counter of the 48 sample keys an epoch
   delivers), ``remote.url(i)``, ``remote.path(i)`` (the "/bucket/key" of shard ``i``, as
-  ``S3Proxy`` counts it). ``remote_tar``: the tar ones alone.
-- ``deliver(ds, epochs=(0,), workers=2, **loader_kwargs) -> list[Counter]``: the keys each epoch
-  delivers through ``streaming_loader`` with real DataLoader workers (pads left out); the loader
-  and its workers are gone when it returns.
+  ``S3Proxy`` counts it). ``remote_tar``: the tar ones alone; ``remote_large``: tar shards of
+  about 72 kB.
+- ``deliver(ds, epochs=(0,), workers=2, before_epoch=None, **loader_kwargs) -> list[Counter]``:
+  the keys each epoch delivers through ``streaming_loader`` (batches of 4, persistent workers)
+  with real DataLoader workers (pads left out), calling ``before_epoch(epoch)`` first; the
+  loader and its workers are gone when it returns.
 - ``no_leaks`` (every test here): after the test, no child process, no file descriptor other
   than a socket, and no ``/dev/shm`` entry naming the test's process or one of its children
   (torch names its own so) is left that was not there before it.
@@ -58,8 +60,8 @@ class Remote:
         return self.url(i)[len("s3:/") :]
 
 
-def _write(path: Path, first: int) -> None:
-    samples = numbered_samples(first, PER_SHARD, PAYLOAD)
+def _write(path: Path, first: int, payload: int) -> None:
+    samples = numbered_samples(first, PER_SHARD, payload)
     if path.suffix == ".tar":
         write_tar(path, samples, pax=False)
     else:  # two row groups
@@ -67,13 +69,13 @@ def _write(path: Path, first: int) -> None:
         pq.write_table(pa.table(columns), path, row_group_size=PER_SHARD // 2)
 
 
-def _remote(moto_s3, tmp_path_factory, extension: str) -> Remote:
+def _remote(moto_s3, tmp_path_factory, extension: str, payload: int = PAYLOAD) -> Remote:
     folder = tmp_path_factory.mktemp(f"fault-{extension}")
-    bucket = moto_s3.bucket(f"faults-{extension}")
+    bucket = moto_s3.bucket(f"faults-{extension}-{payload}")
     fs = fsspec.filesystem("s3", **moto_s3.storage_options, skip_instance_cache=True)
     for i in range(SHARDS):
         path = folder / f"shard-{i:06d}.{extension}"
-        _write(path, i * PER_SHARD)
+        _write(path, i * PER_SHARD, payload)
         fs.put_file(str(path), f"{bucket}/{path.name}")
     pattern = f"{bucket}/*.{extension}"
     return Remote(build_shard_index(pattern, storage_options=moto_s3.storage_options), bucket,
@@ -91,6 +93,12 @@ def remote_tar(moto_s3, tmp_path_factory) -> Remote:
     return _remote(moto_s3, tmp_path_factory, "tar")
 
 
+@pytest.fixture(scope="module")
+def remote_large(moto_s3, tmp_path_factory) -> Remote:
+    """Tar shards of about 72 kB (8 samples of 8 kB), for a cache on a small disk."""
+    return _remote(moto_s3, tmp_path_factory, "tar", payload=8192)
+
+
 def keys_of(batch: list[dict]) -> list[str]:
     """The collate function of the suite: the keys of a batch's real samples."""
     return [sample["__key__"] for sample in batch if not sample["__pad__"]]
@@ -98,12 +106,16 @@ def keys_of(batch: list[dict]) -> list[str]:
 
 @pytest.fixture
 def deliver() -> Callable[..., list[Counter]]:
-    def run(ds: ShardedStreamingDataset, epochs=(0,), workers: int = 2, **kwargs) -> list[Counter]:
+    def run(
+        ds: ShardedStreamingDataset, epochs=(0,), workers: int = 2, before_epoch=None, **kwargs
+    ) -> list[Counter]:
         loader = streaming_loader(ds, 4, workers, collate_fn=keys_of, **kwargs)
         out = []
         try:
             for epoch in epochs:
                 ds.set_epoch(epoch)
+                if before_epoch is not None:
+                    before_epoch(epoch)
                 out.append(Counter(key for batch in loader for key in batch))
         except BaseException as exc:
             exc.__traceback__ = None  # its frames hold the loader's workers
