@@ -1206,8 +1206,9 @@ class CacheSession:
         try:
             f = self.cache._acquire(info, self)
         except OSError as exc:  # the folder failed (disk full, deleted): go around it
-            _warn_local(self.cache, exc)
-            f = None
+            self._starved = True
+            _read_around(self.cache, exc)
+            return None
         self._starved = f is None
         if f is None:
             _read_around(self.cache)
@@ -1352,9 +1353,13 @@ class _PlanState:
 _WARNED: set[tuple[int, str]] = set()  # (pid, what) warned about
 
 
-def _read_around(cache: ShardCache) -> None:
-    """Count a read that goes around the cache; warn once per process."""
+def _read_around(cache: ShardCache, failure: OSError | None = None) -> None:
+    """Count a read that goes around the cache (it has no room, or its folder ``failure``);
+    warn once per process."""
     _Counters.of(cache._folder("stats")).add("around")
+    if failure is not None:
+        _warn_local(cache, failure)
+        return
     _warn_once(
         "small",
         f"the shard cache in {cache.cache_dir!r} is smaller than what its readers need at "
