@@ -25,9 +25,9 @@ from typing import Any, BinaryIO
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from fsspec.core import url_to_fs
 
 from nnh_data.batching import Column, Columns
+from nnh_data.retries import remote_fs
 from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError, row_group_rows
 
 __all__ = ["ParquetReader"]
@@ -83,7 +83,7 @@ class ParquetReader:
         if self._open is None or self._open[0] != (info.url, file):
             self._open = None
             if file is None:
-                fs, path = url_to_fs(info.url, **(self.storage_options or {}))
+                fs, path = remote_fs(info.url, self.storage_options)
                 parquet = pq.ParquetFile(path, filesystem=fs)
             else:
                 parquet = pq.ParquetFile(file)

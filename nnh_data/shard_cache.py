@@ -40,6 +40,7 @@ be on node-local disk: ``flock`` on NFS is emulated or absent.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import itertools
 import json
@@ -51,18 +52,19 @@ import shutil
 import threading
 import time
 import warnings
+import weakref
 import zlib
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import numpy as np
-from fsspec.core import url_to_fs
 
 from nnh_data.checks import check_int
 from nnh_data.order import EpochOrder, worker_plan
+from nnh_data.retries import remote_fs, retrying
 from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError
 
 __all__ = [
@@ -85,7 +87,7 @@ __all__ = [
 STALL_SECONDS = 120.0  # a download without progress for this long is aborted
 PLAN_GRACE_SECONDS = 120.0  # a released plan stays live this long (the gap between epochs)
 PREFETCH_SHARE = 0.25  # what all live plans hold ahead stays under this share of the limit
-DISK_RESERVE = 1 << 30  # kept free on the disk when no limit is given
+DISK_RESERVE = 1 << 30  # kept free on the disk (a twentieth of a disk under 20 GiB)
 CHUNK_BYTES = 4 << 20
 _POLL_S = 0.2
 _RETRY_S = 0.5  # a prefetch that found no room looks again after this long
@@ -312,9 +314,27 @@ def _write_replace(path: str, data: bytes) -> None:
     """Write ``path`` through a hidden temporary name, so readers never see it partial."""
     folder, name = os.path.split(path)
     temporary = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
-    with open(temporary, "wb") as f:
-        f.write(data)
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        _unlink(temporary)
+        raise
+
+
+def _locked_file(path: str, data: bytes) -> int:
+    """A new file ``path`` holding ``data``, open and locked (``LOCK_EX``); nothing is left
+    behind when that fails."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _write_all(fd, data)
+    except BaseException:
+        os.close(fd)
+        _unlink(path)
+        raise
+    return fd
 
 
 def _read_json(path: str) -> dict | None:
@@ -381,11 +401,18 @@ class _Counters:
             self._own()
             self.values[name] += count
             record = ", ".join(f'"{k}": {v:<20d}' for k, v in self.values.items())
-            fd = os.open(self._path(), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
             try:
-                os.pwrite(fd, ("{" + record + "}\n").encode(), 0)
-            finally:
-                os.close(fd)
+                self._write(("{" + record + "}\n").encode())
+            except OSError:
+                pass  # a full disk: the count stays here and is written with the next one
+
+    def _write(self, record: bytes) -> None:
+        os.makedirs(self.folder, exist_ok=True)  # the cache folder was deleted under a job
+        fd = os.open(self._path(), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            os.pwrite(fd, record, 0)
+        finally:
+            os.close(fd)
 
     def current(self) -> dict[str, int]:
         """A copy of this process's counts."""
@@ -574,13 +601,24 @@ class ShardCache:
 
     @contextmanager
     def _node_lock(self) -> Iterator[None]:
-        # Opened per use, so a forked child never shares the parent's lock.
-        fd = os.open(self._folder("lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        # Opened per use and held under _FORK_GUARD, so no fork copies a held node lock.
+        with _FORK_GUARD:
+            fd = self._open_lock()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
+
+    def _open_lock(self) -> int:
+        """The node lock's file, opened; the layout is created again when the folder was
+        deleted under a running job."""
+        path, flags = self._folder("lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+            return os.open(path, flags, 0o666)
+        except FileNotFoundError:
+            _prepared_folder(self.cache_dir)
+            return os.open(path, flags, 0o666)
 
     def _listing(self) -> dict[str, tuple[str, int]]:
         """Complete shards: key -> (path, size). A subfolder is listed again only when its
@@ -640,10 +678,12 @@ class ShardCache:
         return removed
 
     def _limit_now(self, usage: _Usage) -> int:
-        if self.limit is not None:
-            return self.limit
+        """The limit, or less when the disk cannot hold that much: what the cache holds plus
+        the free space, less ``DISK_RESERVE`` (a twentieth of a smaller disk)."""
+        disk = shutil.disk_usage(self.cache_dir)
         held = sum(size for _, size in usage.shards.values()) + usage.written
-        return max(0, shutil.disk_usage(self.cache_dir).free + held - DISK_RESERVE)
+        room = max(0, disk.free + held - min(DISK_RESERVE, disk.total // 20))
+        return room if self.limit is None else min(self.limit, room)
 
     # ------------------------------------------------------------ plans
 
@@ -750,8 +790,9 @@ class ShardCache:
             os.close(fd)
         return None
 
-    def _acquire(self, info: ShardInfo, options: dict, stop: threading.Event) -> BinaryIO | None:
-        """The shard pinned, downloaded now if needed; None when no room can be made."""
+    def _acquire(self, info: ShardInfo, session: CacheSession) -> BinaryIO | None:
+        """The shard pinned, downloaded now if needed; None when no room can be made. The
+        session's earlier failure of this shard (ahead, maybe while this waited) is raised."""
         key = shard_key(info.url, info.size, info.version)
         self._sizes[key] = info.size
         while True:
@@ -764,8 +805,10 @@ class ShardCache:
                 return None
             if claim.wait is not None:
                 _wait_for(claim.wait)
+                if key in session._failed:
+                    raise session._failed[key]
             elif claim.fd is not None:
-                return os.fdopen(self._fill(claim, info, options, stop), "rb")
+                return os.fdopen(self._fill(claim, info, session), "rb")
 
     def _fetch_ahead(
         self, info: ShardInfo, t: int, session: CacheSession, capped: bool = True
@@ -781,7 +824,7 @@ class ShardCache:
         claim = self._claim(key, info, session._distance(t), hold)
         if claim.fd is None:
             return "full" if claim.full else "busy" if claim.wait else "cached"
-        os.close(self._fill(claim, info, session.storage_options, session.stopping))
+        os.close(self._fill(claim, info, session))
         return "cached"
 
     def _claim(
@@ -850,13 +893,15 @@ class ShardCache:
         fcntl.flock(fd, fcntl.LOCK_EX)
         return _Claim(fd=fd, part=path)
 
-    def _fill(self, claim: _Claim, info: ShardInfo, options: dict, stop: threading.Event) -> int:
+    def _fill(self, claim: _Claim, info: ShardInfo, session: CacheSession) -> int:
         """Download into the claimed part, check it, write the record and publish by rename;
-        returns the published file's fd, pinned. Errors remove the part and raise ShardError."""
+        returns the published file's fd, pinned. Errors remove the part: a remote failure
+        raises ShardError (kept in ``session`` first, for a read waiting on this part), a
+        local one (disk full, folder deleted) OSError."""
         fd, part = claim.fd, claim.part
         key = shard_key(info.url, info.size, info.version)
         try:
-            crc = _download(info, fd, options, stop)
+            crc = _download(info, fd, session.storage_options, session.stopping)
             meta = {"url": info.url, "size": info.size, "version": info.version,
                     "name": _shard_name(info.url), "boot_id": _boot_id(), "crc32": crc}  # fmt: skip
             os.makedirs(os.path.dirname(self._meta_path(key)), exist_ok=True)
@@ -866,11 +911,11 @@ class ShardCache:
                 fcntl.flock(fd, fcntl.LOCK_SH)
             os.lseek(fd, 0, os.SEEK_SET)
         except BaseException as exc:
+            if isinstance(exc, ShardError):
+                session._failed[key] = exc
             _unlink(part)
             os.close(fd)
-            if isinstance(exc, ShardError) or not isinstance(exc, Exception):
-                raise
-            raise ShardError(info.url, "download", f"{type(exc).__name__}: {exc}") from exc
+            raise
         _Counters.of(self._folder("stats")).add("downloads")
         return fd
 
@@ -956,8 +1001,9 @@ def _wait_for(part: str) -> None:
 
 
 def _download(info: ShardInfo, fd: int, options: dict, stop: threading.Event) -> int:
-    """Write ``info``'s bytes to ``fd``; returns their CRC-32. ShardError when the count differs
-    from the index's or no byte comes for ``STALL_SECONDS``."""
+    """Write ``info``'s bytes to ``fd``; returns their CRC-32. ShardError when the remote
+    fails, the count differs from the index's or no byte comes for ``STALL_SECONDS``; OSError
+    when the local write fails."""
     crc, count = 0, 0
     for chunk in _remote_chunks(info, options, stop):
         _write_all(fd, chunk)
@@ -1012,22 +1058,43 @@ def _remote_chunks(info: ShardInfo, options: dict, stop: threading.Event) -> Ite
 def _read_remote(
     info: ShardInfo, options: dict, chunks: queue.Queue, abort: threading.Event
 ) -> None:
-    """Ranged reads of the indexed size, one request each, while the object's details (its
-    version) are asked for in parallel: ``fs.open`` would wait for them before its first read,
-    a second round trip per shard. Nothing is published before the version matched."""
+    """Ranged reads of the indexed size, one request each (tried again on transient errors,
+    :mod:`nnh_data.retries`), while the object's details (its version) are asked for in
+    parallel: ``fs.open`` would wait for them before its first read, a second round trip per
+    shard. Nothing is published before the version matched. Errors go to the consumer as
+    ShardError."""
     try:
-        fs, path = url_to_fs(info.url, **options)
-        with ThreadPoolExecutor(1) as pool:
-            details = pool.submit(fs.info, path)
-            for start in range(0, info.size, CHUNK_BYTES):
-                if abort.is_set():
-                    return
-                end = min(info.size, start + CHUNK_BYTES)
-                _put(chunks, fs.cat_file(path, start=start, end=end), abort)
-            _check_version(info, details.result())
+        fs, path = remote_fs(info.url, options)
+        details = _in_background(functools.partial(
+            retrying, functools.partial(fs.info, path), info.url, "open"))  # fmt: skip
+        for start in range(0, info.size, CHUNK_BYTES):
+            if abort.is_set():
+                return
+            end = min(info.size, start + CHUNK_BYTES)
+            read = functools.partial(fs.cat_file, path, start=start, end=end)
+            _put(chunks, retrying(read, info.url, f"byte {start}"), abort)
+        _check_version(info, details.result())
         _put(chunks, b"", abort)
     except BaseException as exc:  # handed to the consumer, which raises it
+        if not isinstance(exc, ShardError):
+            error = ShardError(info.url, "download", f"{type(exc).__name__}: {exc}")
+            error.__cause__, exc = exc, error
         _put(chunks, exc, abort)
+
+
+def _in_background(call: Callable[[], Any]) -> Future:
+    """``call()`` in a daemon thread, which never holds up its process's exit (an executor's
+    thread does, for as long as a remote call takes)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # handed to the caller of result()
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name="nnh-cache-details").start()
+    return future
 
 
 def _put(chunks: queue.Queue, item: object, abort: threading.Event) -> None:
@@ -1056,7 +1123,13 @@ class CacheSession:
     pins and its prefetch thread. A context manager; :meth:`close` ends it.
 
     One thread calls the methods (the prefetch thread is internal). A forked child must open
-    its own session: pins and the plan's lock are open files, which a fork shares.
+    its own session: a fork lets go of the parent's sessions in the child (their pins and the
+    plan's lock are open files, which the child would otherwise hold on to).
+
+    A shard whose download failed (on demand or ahead, after the retries of
+    :mod:`nnh_data.retries`) is not tried again by this session: :meth:`open` raises the same
+    error. A failure of the local folder (disk full, the folder deleted, unwritable) is no
+    error: that shard is read around the cache, with one warning per process.
     """
 
     def __init__(
@@ -1081,6 +1154,8 @@ class CacheSession:
             cache._folder("procs"), f"{os.getpid()}.{secrets.token_hex(4)}.plan"
         )
         self._thread: threading.Thread | None = None
+        self._failed: dict[str, ShardError] = {}  # key -> its download's error
+        _SESSIONS.add(self)
 
     def __enter__(self) -> CacheSession:
         return self
@@ -1100,9 +1175,14 @@ class CacheSession:
             )
         keys = [shard_key(info.url, info.size, info.version) for info in shards]
         state = _PlanState(list(shards), keys, times)
-        fd, temporary = self._plan_file(state)
+        try:
+            fd, temporary = self._plan_file(state)
+        except OSError as exc:  # the folder cannot take it: reads go on, the plan unpublished
+            _warn_local(self.cache, exc)
+            fd = temporary = None
         with self.cache._node_lock(), self._changed:  # no scan sees the old plan unlocked
-            os.rename(temporary, self._plan_path)
+            if temporary is not None:
+                os.rename(temporary, self._plan_path)
             if self._plan_fd is not None:
                 os.close(self._plan_fd)
             self._plan_fd, self._state = fd, state
@@ -1127,14 +1207,22 @@ class CacheSession:
 
     def open(self, info: ShardInfo) -> BinaryIO | None:
         """The local copy of ``info``, pinned until :meth:`release` (downloaded now if needed);
-        None when the cache cannot hold it without evicting what is needed now: then read the
-        remote directly. Repeated opens share one file (and count pins); do not close it."""
+        None when the cache cannot hold it without evicting what is needed now, or its folder
+        failed: then read the remote directly. Repeated opens share one file (and count pins);
+        do not close it. ShardError when its download failed (now or ahead)."""
         key = shard_key(info.url, info.size, info.version)
         if key in self._pins:
             f, count = self._pins[key]
             self._pins[key] = (f, count + 1)
             return f
-        f = self.cache._acquire(info, self.storage_options, self.stopping)
+        if key in self._failed:
+            raise self._failed[key]
+        try:
+            f = self.cache._acquire(info, self)
+        except OSError as exc:  # the folder failed (disk full, deleted): go around it
+            self._starved = True
+            _read_around(self.cache, exc)
+            return None
         self._starved = f is None
         if f is None:
             _read_around(self.cache)
@@ -1192,19 +1280,31 @@ class CacheSession:
     # ------------------------------------------------------------ plan file and prefetch
 
     def _plan_file(self, state: _PlanState) -> tuple[int, str]:
-        """The plan written to a new file, locked (``LOCK_EX``); its fd and name."""
+        """The plan written to a new file, locked (``LOCK_EX``); its fd and name. The layout
+        is created again when the folder was deleted under a running job."""
         body = json.dumps(
             {"num_workers": self.num_workers, "keys": state.keys, "times": state.times.tolist()}
         )
+        data = state.header() + body.encode()
         temporary = f"{self._plan_path}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        _write_all(fd, state.header() + body.encode())
-        return fd, temporary
+        try:
+            return _locked_file(temporary, data), temporary
+        except FileNotFoundError:
+            _prepared_folder(self.cache.cache_dir)
+            return _locked_file(temporary, data), temporary
 
     def _write_header(self) -> None:
         if self._plan_fd is not None:
             os.pwrite(self._plan_fd, self._state.header(), 0)
+
+    def _drop_inherited(self) -> None:
+        """In a forked child: close the parent's pins and plan (the parent keeps them)."""
+        self.stopping.set()
+        for f, _ in self._pins.values():
+            f.close()
+        if self._plan_fd is not None:
+            os.close(self._plan_fd)
+        self._pins, self._plan_fd, self._thread = {}, None, None
 
     def _prefetch_loop(self) -> None:
         """Keep the next ``prefetch`` shards of the plan cached. After a pass over them, wait
@@ -1218,8 +1318,11 @@ class CacheSession:
             for info, t in targets:
                 try:
                     outcome = self.cache._fetch_ahead(info, t, self)
-                except ShardError:
-                    outcome = "failed"  # the read on demand raises it
+                except ShardError:  # kept in _failed: the read on demand raises it
+                    outcome = "failed"
+                except OSError as exc:  # the folder failed: the read on demand goes around
+                    _warn_local(self.cache, exc)
+                    self._starved, outcome = True, "failed"
                 if outcome != "cached" or self.stopping.is_set():
                     break
             with self._changed:
@@ -1261,17 +1364,53 @@ class _PlanState:
         return out
 
 
-_WARNED_PIDS: set[int] = set()
+_WARNED: set[tuple[int, str]] = set()  # (pid, what) warned about
 
 
-def _read_around(cache: ShardCache) -> None:
-    """Count a read that goes around the cache; warn once per process."""
+def _read_around(cache: ShardCache, failure: OSError | None = None) -> None:
+    """Count a read that goes around the cache (it has no room, or its folder ``failure``);
+    warn once per process."""
     _Counters.of(cache._folder("stats")).add("around")
-    if os.getpid() not in _WARNED_PIDS:
-        _WARNED_PIDS.add(os.getpid())
-        warnings.warn(
-            f"the shard cache in {cache.cache_dir!r} is smaller than what its readers need at "
-            "once (live workers x (1 + prefetch) shards): reading some shards from the remote "
-            "directly; raise cache_limit",
-            stacklevel=3,
-        )
+    if failure is not None:
+        _warn_local(cache, failure)
+        return
+    _warn_once(
+        "small",
+        f"the shard cache in {cache.cache_dir!r} is smaller than what its readers need at "
+        "once (live workers x (1 + prefetch) shards, within cache_limit and the free disk): "
+        "reading some shards from the remote directly; raise cache_limit or free disk space",
+    )
+
+
+def _warn_local(cache: ShardCache, exc: OSError) -> None:
+    """Warn, once per process, that the cache folder failed and reads go around it."""
+    _warn_once(
+        "local",
+        f"the shard cache in {cache.cache_dir!r} failed on this node ({exc}): reading the "
+        "shards it cannot hold from the remote directly",
+    )
+
+
+def _warn_once(what: str, message: str) -> None:
+    if (os.getpid(), what) not in _WARNED:
+        _WARNED.add((os.getpid(), what))
+        warnings.warn(message, stacklevel=4)
+
+
+# A fork copies this process's open files, and their flocks with them: no fork may happen while
+# a thread holds the node lock (the child would hold it for ever), and a child lets go of the
+# parent's sessions (their pins and plan locks), which it does not use.
+_FORK_GUARD = threading.Lock()
+_SESSIONS: weakref.WeakSet[CacheSession] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    _FORK_GUARD.release()
+    for session in list(_SESSIONS):
+        session._drop_inherited()
+
+
+os.register_at_fork(
+    before=_FORK_GUARD.acquire, after_in_parent=_FORK_GUARD.release,
+    after_in_child=_after_fork_in_child,
+)  # fmt: skip

@@ -15,17 +15,18 @@ into columns. The index that makes ranges seekable, and :class:`ShardError`, liv
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
-from fsspec.core import url_to_fs
 
 from nnh_data.batching import Columns, as_list, columns_of, rows_of
 from nnh_data.checks import check_int
 from nnh_data.parquet_format import ParquetReader
+from nnh_data.retries import is_transient, remote_fs, retrying
 from nnh_data.shard_index import (
     ShardError,
     ShardIndex,
@@ -33,7 +34,7 @@ from nnh_data.shard_index import (
     StaleIndexError,
     build_shard_index,
 )
-from nnh_data.sources import expand_sources
+from nnh_data.sources import expand_sources, is_local
 from nnh_data.tar_format import BLOCK, ZERO_BLOCK, TarFormatError, parse_samples
 
 __all__ = [
@@ -102,14 +103,32 @@ class ShardReader:
     ) -> None:
         self.storage_options, self.nullable, self.arrow = storage_options, nullable, arrow
         self._parquet = ParquetReader(storage_options, nullable, arrow)
+        self._failed: dict[str, ShardError] = {}  # remote shards whose reads gave up
 
     def fetch(
         self, info: ShardInfo, start: int, stop: int, file: BinaryIO | None = None
     ) -> bytes | Columns:
         """See :func:`fetch_shard_range`; ``file``: a local copy of the shard (a node-local
-        cache's, opened by the caller) to read instead of its URL."""
+        cache's, opened by the caller) to read instead of its URL. A remote read is tried
+        again on transient errors (:mod:`nnh_data.retries`); once a shard's read gave up, its
+        later reads in this pass raise the same error at once."""
         check_int("start", start, low=0, high=info.num_samples)
         check_int("stop", stop, low=start, high=info.num_samples)
+        if file is not None or is_local(info.url):
+            return self._read(info, start, stop, file)
+        if info.url in self._failed:
+            raise self._failed[info.url]
+        try:
+            read = functools.partial(self._read, info, start, stop, None)
+            return retrying(read, info.url, f"sample {start}")
+        except ShardError as exc:
+            if is_transient(exc):
+                self._failed[info.url] = exc
+            raise
+
+    def _read(
+        self, info: ShardInfo, start: int, stop: int, file: BinaryIO | None
+    ) -> bytes | Columns:
         if info.format == "parquet":
             return self._parquet.read(info, start, stop, file)
         low, high = int(info.offsets[start]), int(info.offsets[stop])
@@ -122,7 +141,7 @@ class ShardReader:
             if file is not None:
                 data = os.pread(file.fileno(), end - low, low)
             else:
-                fs, path = url_to_fs(info.url, **(self.storage_options or {}))
+                fs, path = remote_fs(info.url, self.storage_options)
                 data = fs.cat_file(path, start=low, end=end)
         except OSError as exc:
             raise ShardError(info.url, _tar_position(info, low), f"unreadable ({exc})") from exc

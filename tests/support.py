@@ -40,6 +40,7 @@ import os
 import pickle
 import queue
 import socket
+import struct
 import tarfile
 import tempfile
 import threading
@@ -47,7 +48,8 @@ import time
 import traceback
 import urllib.parse
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -66,6 +68,7 @@ __all__ = [
     "ROOT",
     "SCRIPTS",
     "DistributedRunError",
+    "Fault",
     "Net",
     "S3Proxy",
     "data",
@@ -324,6 +327,62 @@ def data(n: int, seed: int = 0) -> TensorDataset:
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer",
                          "transfer-encoding", "upgrade", "expect", "content-length"})  # fmt: skip
 _CHUNK = 64 << 10
+_ERROR_BODY = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+               "<Message>injected by the test proxy</Message><RequestId>nnh-fault</RequestId>"
+               "</Error>")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What :class:`S3Proxy` does to a request instead of forwarding it plainly; build one with
+    the class methods. ``after``: body bytes relayed before the reset, truncation or stall."""
+
+    kind: str  # "error", "reset", "truncate" or "stall"
+    status: int = 0
+    code: str = ""
+    after: int = 0
+    seconds: float = 0.0
+
+    @classmethod
+    def error(cls, status: int = 500, code: str = "InternalError") -> Fault:
+        """An S3 error response (not forwarded): 500 InternalError by default."""
+        return cls("error", status=status, code=code)
+
+    @classmethod
+    def slow_down(cls) -> Fault:
+        """S3's throttling answer: 503 SlowDown."""
+        return cls.error(503, "SlowDown")
+
+    @classmethod
+    def reset(cls, after: int = 0) -> Fault:
+        """The connection reset (RST) after ``after`` body bytes."""
+        return cls("reset", after=after)
+
+    @classmethod
+    def truncate(cls, after: int = 0) -> Fault:
+        """The connection closed cleanly after ``after`` body bytes, short of Content-Length."""
+        return cls("truncate", after=after)
+
+    @classmethod
+    def stall(cls, seconds: float, after: int = 0) -> Fault:
+        """No byte for ``seconds`` after ``after`` body bytes, then the rest."""
+        return cls("stall", after=after, seconds=seconds)
+
+
+@dataclass
+class _Rule:
+    fault: Fault
+    path: str
+    method: str | None
+    requests: frozenset[int] | None
+    seen: int = 0
+
+    def applies(self, method: str, path: str) -> bool:
+        """Count a matching request; True when this one is among ``requests``."""
+        if self.path not in path or self.method not in (None, method):
+            return False
+        self.seen += 1
+        return self.requests is None or self.seen in self.requests
 
 
 class S3Proxy:
@@ -340,6 +399,13 @@ class S3Proxy:
             fs = s3fs.S3FileSystem(**proxy.storage_options)
             fs.cat_file("bucket/key")
             assert proxy.gets["/bucket/key"] == 1
+
+    Faults are injected by request count, so a test is deterministic: :meth:`inject` a
+    :class:`Fault` for the ``requests``-th (1-based) requests whose path contains ``path``;
+    ``log`` lists every request as ``(method, path, fault kind or "ok")``::
+
+        proxy.inject(Fault.slow_down(), path="shard-000001", requests=[1, 2, 3])
+        proxy.inject(Fault.error(500), path="shard-000004")  # every GET of it: always fails
     """
 
     def __init__(
@@ -352,9 +418,13 @@ class S3Proxy:
         self.latency_s, self.bytes_per_s = latency_s, bytes_per_s
         self.gets: Counter[str] = Counter()
         self.get_bytes: Counter[str] = Counter()
+        self.log: list[tuple[str, str, str]] = []
+        self._rules: list[_Rule] = []
         self._lock = threading.Lock()
+        self._closing = threading.Event()  # ends stalls
         self._free_at = 0.0  # when the capped link is free again
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _proxy_handler(self))
+        self._server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
@@ -363,13 +433,31 @@ class S3Proxy:
     def storage_options(self) -> dict:
         return {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": self.endpoint}}
 
+    def inject(
+        self,
+        fault: Fault,
+        *,
+        path: str = "",
+        requests: Collection[int] | None = None,
+        method: str | None = "GET",
+    ) -> None:
+        """Apply ``fault`` to the ``requests``-th requests (1-based; None: every one) of
+        ``method`` (None: any) whose path contains ``path``, counted from now. A request takes
+        the fault of the first rule that applies; every matching rule counts it."""
+        numbers = None if requests is None else frozenset(requests)
+        with self._lock:
+            self._rules.append(_Rule(fault, path, method, numbers))
+
     def reset(self) -> None:
-        """Zero the counters."""
+        """Zero the counters and the log, and drop the injected faults."""
         with self._lock:
             self.gets.clear()
             self.get_bytes.clear()
+            self.log.clear()
+            self._rules.clear()
 
     def close(self) -> None:
+        self._closing.set()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
@@ -383,6 +471,16 @@ class S3Proxy:
     def _count(self, counter: Counter[str], path: str, n: int) -> None:
         with self._lock:
             counter[path] += n
+
+    def _fault_for(self, method: str, path: str) -> Fault | None:
+        """The fault of this request (counted by every rule it matches), logged."""
+        with self._lock:
+            faults = [rule.fault for rule in self._rules if rule.applies(method, path)]
+            fault = faults[0] if faults else None
+            self.log.append((method, path, fault.kind if fault else "ok"))
+            if method == "GET":
+                self.gets[path] += 1
+        return fault
 
     def _throttle(self, n: int) -> None:
         """Wait until ``n`` more bytes fit under the cap (a schedule shared by all threads)."""
@@ -413,11 +511,13 @@ def _proxy_handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
 
         def _forward(self) -> None:
             path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
-            if self.command == "GET":
-                proxy._count(proxy.gets, path, 1)
+            fault = proxy._fault_for(self.command, path)
             body = self._request_body()
             if proxy.latency_s:
                 time.sleep(proxy.latency_s)
+            if fault is not None and fault.kind == "error":
+                self._send_error(fault)
+                return
             upstream = http.client.HTTPConnection(*proxy.upstream, timeout=60)
             try:
                 upstream.putrequest(
@@ -429,7 +529,7 @@ def _proxy_handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
                 if body or self.command in ("PUT", "POST"):
                     upstream.putheader("Content-Length", str(len(body)))
                 upstream.endheaders(body)
-                self._relay(upstream.getresponse(), path)
+                self._relay(upstream.getresponse(), path, fault)
             finally:
                 upstream.close()
 
@@ -444,7 +544,15 @@ def _proxy_handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
                 return b"".join(chunks)
             return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-        def _relay(self, response: http.client.HTTPResponse, path: str) -> None:
+        def _send_error(self, fault: Fault) -> None:
+            body = b"" if self.command == "HEAD" else _ERROR_BODY.format(code=fault.code).encode()
+            self.send_response_only(fault.status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _relay(self, response: http.client.HTTPResponse, path: str, fault: Fault | None):
             length = response.getheader("Content-Length")
             body = None
             if length is None and self.command != "HEAD":
@@ -461,16 +569,40 @@ def _proxy_handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
                 return
             counted = proxy.get_bytes if self.command == "GET" else None
             try:
-                self._stream(response, body, counted, path)
+                self._stream(response, body, counted, path, fault)
             except (BrokenPipeError, ConnectionResetError):
                 self.close_connection = True  # the client stopped reading: fine
 
-        def _stream(self, response, body, counted, path) -> None:
+        def _stream(self, response, body, counted, path, fault: Fault | None) -> None:
             chunks = [body] if body is not None else iter(lambda: response.read(_CHUNK), b"")
+            sent = 0
             for chunk in chunks:
-                proxy._throttle(len(chunk))
-                self.wfile.write(chunk)
-                if counted is not None:
-                    proxy._count(counted, path, len(chunk))
+                if fault is not None and sent + len(chunk) >= fault.after:
+                    head = fault.after - sent
+                    self._send(chunk[:head], counted, path)
+                    sent += head
+                    if self._break(fault):
+                        return
+                    chunk, fault = chunk[head:], None
+                self._send(chunk, counted, path)
+                sent += len(chunk)
+
+        def _send(self, chunk: bytes, counted, path: str) -> None:
+            proxy._throttle(len(chunk))
+            self.wfile.write(chunk)
+            if counted is not None:
+                proxy._count(counted, path, len(chunk))
+
+        def _break(self, fault: Fault) -> bool:
+            """Apply a mid-body fault; True when the response ends here."""
+            if fault.kind == "stall":
+                proxy._closing.wait(fault.seconds)
+                return False
+            self.close_connection = True
+            if fault.kind == "reset":  # RST instead of FIN: SO_LINGER on, zero seconds
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                           struct.pack("ii", 1, 0))  # fmt: skip
+                self.connection.close()
+            return True
 
     return Handler

@@ -3,11 +3,13 @@ protocol with real processes and a real S3 API (moto on loopback)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -24,7 +26,7 @@ from fsspec.implementations.local import LocalFileSystem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nnh_data import shard_cache
+from nnh_data import retries, shard_cache
 from nnh_data.cli import main
 from nnh_data.order import EpochOrder, worker_plan
 from nnh_data.shard_cache import (
@@ -538,6 +540,160 @@ def test_a_released_plan_lives_for_the_grace_period(tmp_path, monkeypatch):
     time.sleep(0.05)
     cache.verify()
     assert os.listdir(os.path.join(cache.cache_dir, "procs")) == []
+
+
+class FailingFileSystem(LocalFileSystem):
+    """Local files under ``failfile://`` whose reads always fail with a connection reset,
+    counted in ``reads`` (a transient error: tried again)."""
+
+    protocol = ("failfile",)
+    reads = 0
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        path = str(path)
+        return super()._strip_protocol(path.removeprefix("failfile://"))
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        FailingFileSystem.reads += 1
+        raise ConnectionResetError(104, "reset by the test")
+
+
+fsspec.register_implementation("failfile", FailingFileSystem, clobber=True)
+
+
+@pytest.fixture
+def failing(tmp_path, monkeypatch) -> list[ShardInfo]:
+    """Three shards whose downloads always fail, with retries that do not wait."""
+    monkeypatch.setattr(retries, "BACKOFF_S", 0.001)
+    FailingFileSystem.reads = 0
+    out = []
+    for i in range(3):
+        _random_file(tmp_path / f"f{i}.tar", 1000)
+        out.append(ShardInfo(f"failfile://{tmp_path}/f{i}.tar", "tar", 1, size=1000, version="v"))
+    return out
+
+
+def test_a_failed_download_is_not_tried_again_by_its_session(failing, tmp_path):
+    """Its prefetch and then the read on demand: one round of attempts, one error."""
+    cache = ShardCache(tmp_path / "cache")
+    with cache.session(prefetch=1) as session:
+        session.set_plan(failing, [0, 5, 9])
+        _wait_until(lambda: FailingFileSystem.reads == retries.ATTEMPTS)  # s1, ahead
+        time.sleep(0.1)
+        session.advance(5)
+        for _ in range(2):
+            with pytest.raises(ShardError, match="reset by the test.*gave up after 5 attempts"):
+                session.open(failing[1])
+    assert FailingFileSystem.reads == retries.ATTEMPTS
+    assert _parts(cache.cache_dir) == [] and cache.entries() == []
+
+
+def test_a_local_failure_reads_around_with_one_warning(tmp_path, monkeypatch):
+    """A disk full while a shard downloads: no error, the shard is read from the remote, the
+    part is gone, one warning per process names the cause."""
+    infos = []
+    for i in range(2):
+        _random_file(tmp_path / f"s{i}.tar", 1000)
+        infos.append(_slow_info(tmp_path / f"s{i}.tar"))
+
+    def disk_full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shard_cache, "_write_all", disk_full)
+    monkeypatch.setattr(shard_cache, "_WARNED", set())
+    cache = ShardCache(tmp_path / "cache")
+    with cache.session() as session:
+        with pytest.warns(UserWarning, match=r"failed on this node \(\[Errno 28\] No space"):
+            assert session.open(infos[0]) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert session.open(infos[1]) is None  # no second warning
+    assert cache.stats()["around"] == 2 and _parts(cache.cache_dir) == []
+
+
+def test_a_deleted_folder_is_laid_out_again(tmp_path):
+    data = _random_file(tmp_path / "s.tar", 1000)
+    info = _slow_info(tmp_path / "s.tar")
+    cache = ShardCache(tmp_path / "cache")
+    with cache.session() as session:
+        assert _read(session, info) == data
+    shutil.rmtree(cache.cache_dir)
+    with cache.session() as session:
+        session.set_plan([info], [0])
+        assert _read(session, info) == data
+    assert {"lock", "procs", "shards", "stats", "tmp"} <= set(os.listdir(cache.cache_dir))
+    assert [e.url for e in cache.entries()] == [info.url]
+
+
+def test_the_disk_caps_the_limit(tmp_path, monkeypatch):
+    """``limit`` or what the disk can take (the free space plus what the cache holds, less a
+    reserve of 1 GiB or a twentieth of a smaller disk), whichever is smaller."""
+    data = _random_file(tmp_path / "s.tar", 1000)
+    cache = ShardCache(tmp_path / "cache", limit="1GB")
+    with cache.session() as session:
+        assert _read(session, _slow_info(tmp_path / "s.tar")) == data
+    disk = shutil._ntuple_diskusage(total=100_000, used=0, free=50_000)
+    monkeypatch.setattr(shard_cache.shutil, "disk_usage", lambda path: disk)
+    assert cache.stats()["limit"] == 50_000 + 1000 - 5_000
+    assert ShardCache(tmp_path / "cache", limit=10_000).stats()["limit"] == 10_000
+    assert ShardCache(tmp_path / "cache").stats()["limit"] == 46_000
+
+
+def _hold_the_lock(cache: ShardCache, held: threading.Event, seconds: float) -> None:
+    with cache._node_lock():
+        held.set()
+        time.sleep(seconds)
+
+
+def _take_the_lock(cache_dir: str) -> None:
+    with ShardCache(cache_dir)._node_lock():
+        pass
+
+
+def test_a_fork_never_copies_a_held_node_lock(tmp_path):
+    """A fork while a thread holds the node lock waits for it: a child that inherited the
+    lock would hold it for as long as it lives, and block on it itself."""
+    cache = ShardCache(tmp_path / "cache")
+    held = threading.Event()
+    holder = threading.Thread(target=_hold_the_lock, args=(cache, held, 0.5))
+    holder.start()
+    held.wait(5)
+    child = _FORK.Process(target=_take_the_lock, args=(cache.cache_dir,))
+    child.start()
+    child.join(timeout=20)
+    holder.join()
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+        child.join()
+    assert not alive and child.exitcode == 0
+
+
+def _started_then_sleep(started, seconds: float) -> None:
+    started.set()
+    time.sleep(seconds)
+
+
+def test_a_forked_child_lets_go_of_the_parents_pins(tmp_path):
+    """A DataLoader worker forked while the main process reads through the cache does not
+    keep the main process's shards pinned."""
+    data = _random_file(tmp_path / "s.tar", 1000)
+    info = _slow_info(tmp_path / "s.tar")
+    cache = ShardCache(tmp_path / "cache")
+    with cache.session() as session:
+        assert session.open(info) is not None
+        started = _FORK.Event()
+        child = _FORK.Process(target=_started_then_sleep, args=(started, 30))
+        child.start()
+        try:
+            assert started.wait(20)
+            session.release(info)
+            assert cache.evict(info.url)
+        finally:
+            child.kill()
+            child.join()
+    assert cache.entries() == [] and len(data) == 1000
 
 
 # ---------------------------------------------------------------- many processes, S3

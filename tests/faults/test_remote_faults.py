@@ -1,0 +1,111 @@
+"""Remote faults injected by request count through ``tests.support.S3Proxy``: transient ones
+(HTTP 500, a burst of 503 SlowDown, a connection reset mid-body, a truncated body, a stall
+past the read timeout) cost retries, never a sample; a shard that always fails is named after
+exactly ``ATTEMPTS`` requests and within the stated seconds, with and without the cache."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+
+from nnh_data import ShardCache, ShardedStreamingDataset, ShardError
+from nnh_data.retries import ATTEMPTS, BACKOFF_S
+from tests.faults.conftest import PER_SHARD
+from tests.support import Fault
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.filterwarnings("ignore:skipping unreadable samples"),
+]
+CACHED = pytest.mark.parametrize("cached", [False, True], ids=["no-cache", "cache"])
+WAITS = BACKOFF_S * (2 ** (ATTEMPTS - 1) - 1)  # the longest waits between the attempts: 7.5 s
+
+# (what, shard, the numbers of its GETs that get it): all at once, one shard each
+TRANSIENT = [
+    (Fault.reset(after=700), 0, [1]),
+    (Fault.error(500), 1, [1]),
+    (Fault.slow_down(), 2, [1, 2, 3]),  # a burst of SlowDown
+    (Fault.error(503), 3, [1, 2]),
+    (Fault.truncate(after=700), 4, [1, 2]),
+    (Fault.stall(2.5, after=700), 5, [1]),  # past the read timeout of 1 s
+]
+
+
+def _dataset(remote, proxy, cache_dir=None, **kwargs) -> ShardedStreamingDataset:
+    """Windows of one shard, so each worker reads three whole shards; reads time out after
+    1 s without a byte."""
+    options = {**proxy.storage_options, "config_kwargs": {"read_timeout": 1}}
+    return ShardedStreamingDataset(remote.index, storage_options=options, seed=5,
+                                   shuffle_window=PER_SHARD, cache_dir=cache_dir,
+                                   **kwargs)  # fmt: skip
+
+
+def _gets(proxy, path: str) -> list[str]:
+    return [kind for method, p, kind in proxy.log if method == "GET" and p == path]
+
+
+def _check_cache(cache_dir, downloads: int) -> None:
+    stats = ShardCache(cache_dir).stats()
+    assert (stats["downloads"], stats["around"], stats["in_flight"]) == (downloads, 0, 0)
+    assert os.listdir(os.path.join(cache_dir, "tmp")) == []  # no partial download left
+
+
+@CACHED
+def test_transient_faults_cost_no_sample(cached, remote, s3_proxy, deliver, tmp_path):
+    """A reset, a 500, a SlowDown burst, 503s, truncated bodies and a stall, one shard each:
+    every sample exactly once; each shard read again after its faults."""
+    for what, shard, requests in TRANSIENT:
+        s3_proxy.inject(what, path=remote.path(shard), requests=requests)
+    cache_dir = tmp_path / "cache" if cached else None
+    assert deliver(_dataset(remote, s3_proxy, cache_dir)) == [remote.expected]
+    for what, shard, requests in TRANSIENT:
+        gets = _gets(s3_proxy, remote.path(shard))
+        assert gets[: len(requests) + 1] == [what.kind] * len(requests) + ["ok"], shard
+    if cached:
+        _check_cache(cache_dir, downloads=6)
+
+
+def _named_within_the_bound(error: str, remote, s3_proxy, started: float) -> None:
+    """The error names shard 3, its attempts and their seconds, which stay in the bound."""
+    pattern = (rf"{re.escape(remote.url(3))}: unreadable \(.*\); gave up after {ATTEMPTS} "
+               r"attempts over (\d+\.\d) s")  # fmt: skip
+    seconds = float(re.search(pattern, error)[1])
+    assert WAITS / 2 <= seconds <= time.monotonic() - started
+    assert seconds < WAITS + 10  # the waits, plus five quick 500 answers on a loaded machine
+    assert _gets(s3_proxy, remote.path(3)) == ["error"] * ATTEMPTS
+
+
+@CACHED
+def test_a_shard_that_always_fails_is_named_within_the_bound(
+    cached, remote_tar, s3_proxy, deliver, tmp_path
+):
+    remote = remote_tar
+    s3_proxy.inject(Fault.error(500), path=remote.path(3))
+    started = time.monotonic()
+    with pytest.raises(ShardError) as raised:
+        deliver(_dataset(remote, s3_proxy, tmp_path / "cache" if cached else None))
+    _named_within_the_bound(str(raised.value), remote, s3_proxy, started)
+
+
+@CACHED
+def test_skip_leaves_out_a_failing_shard_and_counts_it(
+    cached, remote_tar, s3_proxy, deliver, tmp_path
+):
+    """``on_error="skip"``: the other shards' samples exactly once, the failing shard's 8
+    counted, after one bounded round of attempts (not one per block)."""
+    remote = remote_tar
+    s3_proxy.inject(Fault.error(500), path=remote.path(3))
+    cache_dir = tmp_path / "cache" if cached else None
+    ds = _dataset(remote, s3_proxy, cache_dir, on_error="skip")
+    started = time.monotonic()
+    (delivered,) = deliver(ds, workers=1)
+    lost = {f"{g:08d}" for g in range(3 * PER_SHARD, 4 * PER_SHARD)}
+    assert delivered == {key: 1 for key in remote.expected if key not in lost}
+    assert ds.error_counts == {remote.url(3): PER_SHARD}
+    assert _gets(s3_proxy, remote.path(3)) == ["error"] * ATTEMPTS
+    assert time.monotonic() - started < WAITS + 20
+    if cached:
+        _check_cache(cache_dir, downloads=5)
