@@ -19,6 +19,7 @@ import functools
 import hashlib
 import itertools
 import json
+import os
 import posixpath
 import uuid
 import warnings
@@ -310,11 +311,9 @@ def file_stats(
     unlisted = [p for p in paths if p not in listed]
     for folder in dict.fromkeys(posixpath.dirname(p) for p in unlisted):
         try:
-            items = fs.ls(folder, detail=True)
+            listed.update(_folder_stats(fs, folder))
         except FileNotFoundError:
             continue
-        for item in items:
-            listed[fs._strip_protocol(item["name"])] = (item["size"], file_version(item))
     missing = [p for p in paths if p not in listed]
     if missing:
         raise FileNotFoundError(
@@ -322,6 +321,24 @@ def file_stats(
             "missing)"
         )
     return [listed[p] for p in paths]
+
+
+def _folder_stats(fs: AbstractFileSystem, folder: str) -> dict[str, tuple[int, str]]:
+    """``(size, version)`` of each file in ``folder`` by path: one ``os.scandir`` on a local
+    disk (fsspec's local listing builds a dict per file: ~30 us each, 0.3 s for 10,000 shards),
+    else the filesystem's listing. Both give :func:`file_version`'s ``mtime=`` for local files."""
+    if not isinstance(fs, LocalFileSystem):
+        items = fs.ls(folder, detail=True)
+        return {fs._strip_protocol(i["name"]): (i["size"], file_version(i)) for i in items}
+    out = {}
+    with os.scandir(folder or ".") as entries:
+        for entry in entries:
+            try:
+                stat = entry.stat()  # follows links, as fsspec's info does
+            except FileNotFoundError:  # a dangling link
+                continue
+            out[posixpath.join(folder, entry.name)] = (stat.st_size, f"mtime={stat.st_mtime}")
+    return out
 
 
 _SCAN_BLOCK = 1 << 20

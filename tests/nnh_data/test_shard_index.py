@@ -142,3 +142,25 @@ def test_a_damaged_shard_is_recorded_in_the_sidecar_and_reported_again(tar_shard
         assert build_shard_index(urls, on_error="skip") == index  # from the sidecar
     with pytest.raises(ShardError, match=re.escape(f"bad tar header checksum (at byte {at})")):
         build_shard_index(urls)  # on_error="raise" scans the damaged shard again
+
+
+def test_local_stats_are_what_the_fsspec_listing_gives(tmp_path):
+    """file_stats lists a local folder with os.scandir: the same sizes and versions as
+    fsspec's listing (links followed), so sidecars written either way keep matching."""
+    import os
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    from nnh_data.shard_index import file_stats, file_version
+
+    for i, size in enumerate([0, 5, 1000]):
+        (tmp_path / f"s-{i}.tar").write_bytes(b"x" * size)
+    os.symlink(tmp_path / "s-2.tar", tmp_path / "link.tar")
+    os.symlink(tmp_path / "gone.tar", tmp_path / "dangling.tar")
+    fs = LocalFileSystem()
+    names = ["s-0.tar", "s-1.tar", "s-2.tar", "link.tar"]
+    paths = [fs._strip_protocol(str(tmp_path / n)) for n in names]
+    expected = [(fs.info(p)["size"], file_version(fs.info(p))) for p in paths]
+    assert file_stats(fs, paths) == expected
+    with pytest.raises(FileNotFoundError, match="dangling.tar"):
+        file_stats(fs, [fs._strip_protocol(str(tmp_path / "dangling.tar"))])

@@ -10,20 +10,28 @@ rounds). Cases, each system shuffling and batching by 256 through its own loader
 DataLoader``):
 
 - ``small_w0`` / ``small_w2``: samples/s over one epoch of ``--samples`` samples (a 3 KiB
-  payload and an int label) with 0 and 2 DataLoader workers, the workers' start included.
-  Each run also reports the main process's CPU time per batch and the bytes one batch takes
-  pickled for the worker queue (``ForkingPickler``: tensors in shared memory go as a handle).
+  payload and an int label) with 0 and 2 DataLoader workers, the workers' start included, and
+  the CPU time per sample of all the processes (``_cpu_us_per_row``: on a shared machine the
+  steadier figure). Each run also reports the main process's CPU time per batch and the bytes
+  the first batch takes pickled in the main process (``ForkingPickler``: tensors as
+  shared-memory handles, other values by value; what a worker sends is about that much for the
+  peers, and for nnh only a slot number and the arrays' places).
 - ``peak_pss_mib``: the largest sum of the proportional set sizes of a ``small_w2`` run's
   processes (main and workers), sampled every 50 ms from outside.
 - ``first_batch_s``: seconds from building the dataset (after the imports) to the first batch
   with 0 workers, on 10,000 shards of 10 samples (nnh finds its index sidecar on disk, as a
   training job after the first does).
 - ``jpeg_w0`` / ``jpeg_w2``: images/s over ``--images`` 224x224 JPEGs, every system running the
-  same PIL decode (:func:`decode_jpeg`) per sample and the same default collate.
+  same PIL decode (:func:`decode_jpeg`) per sample and the same default collate (nnh: its
+  ``decode=``, which ``streaming_loader`` collates with ``default_collate``).
+
+nnh's tar samples hold bytes (the label too: ``b"17"``); nnh reads them without a ``decode``, as
+a ``PackedField`` per field. The peers' labels are ints.
 
 Ratios are ``nnh_vs_<peer>``, figure by figure in the same round: above 1 means nnh is better
-(its rate over the peer's; the peer's seconds or memory over nnh's). The JSON holds each ratio's
-range over the rounds, each system's figures per round, and the load averages before and after.
+(its rate over the peer's; the peer's seconds, CPU time or memory over nnh's). The JSON holds
+each ratio's range over the rounds, each system's figures per round, and the load averages
+before and after.
 
 Peers: ``.venv/bin/pip install -e .[bench] -c <(echo torch==2.13.0)`` (pin torch: an unpinned
 install pulls a CUDA build). ``import streaming`` imports torchvision for ``streaming.vision``,
@@ -55,7 +63,8 @@ import types
 import numpy as np
 
 # this folder's streaming.py (the nnh benchmark) would shadow MosaicML's ``streaming`` package
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(__file__)]
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 SAMPLE_BYTES = 3072
 BATCH = 256
@@ -371,32 +380,60 @@ def folder_of(data: str, system: str, case: str, args: argparse.Namespace) -> st
     return f"{data}/small-{args.samples}/{fmt}"
 
 
-def figure_of(case: str, result: dict) -> tuple[str, float, bool]:
-    """The figure a case compares, and whether higher is better."""
+def figures_of(case: str, result: dict) -> dict[str, tuple[float, bool]]:
+    """The figures a run gives, each with whether higher is better."""
     if case == "first_batch":
-        return "first_batch_s", result["seconds"], False
-    return case, result["rate"], True
+        return {"first_batch_s": (result["seconds"], False)}
+    out = {case: (result["rate"], True),
+           f"{case}_cpu_us_per_row": (result["cpu_us_per_row"], False)}  # fmt: skip
+    if "peak_pss_mib" in result:
+        out["peak_pss_mib"] = (result["peak_pss_mib"], False)
+    return out
 
 
 def summary(results: dict, systems: list[str]) -> dict:
     """Per figure: each system's values per round and ``nnh_vs_<system>`` ranges."""
-    out: dict = {}
-    for (case, system), runs in results.items():
-        entry = out.setdefault(case, {})
-        entry[system] = [round(v, 3 if case == "first_batch_s" else 1) for v, _ in runs]
+    figures: dict = {}
+    for (name, system), runs in results.items():
+        figures.setdefault(name, {})[system] = [round(v, 3 if v < 10 else 1) for v, _ in runs]
     ratios: dict = {}
-    for case, entry in out.items():
+    for name, entry in figures.items():
         if "nnh" not in entry:
             continue
-        higher = results[(case, "nnh")][0][1]
+        higher = results[(name, "nnh")][0][1]
         for system in systems:
             if system == "nnh" or system not in entry:
                 continue
             pairs = zip(entry["nnh"], entry[system])
             per_round = [n / p if higher else p / n for n, p in pairs if n and p]
-            ratios[f"{case}:nnh_vs_{system}"] = [round(min(per_round), 2),
+            ratios[f"{name}:nnh_vs_{system}"] = [round(min(per_round), 2),
                                                  round(max(per_round), 2)]  # fmt: skip
-    return {"ratios": ratios, "figures": out}
+    return {"ratios": ratios, "figures": figures}
+
+
+def run_rounds(data: str, args: argparse.Namespace) -> tuple[dict, dict]:
+    """Every case for every system, systems taking turns within each round (the first system
+    rotating); the figures by (figure, system) and the per-batch details."""
+    cases = [c for case in args.cases for c in (
+        (case,) if case == "first_batch" else (f"{case}_w0", f"{case}_w2"))]  # fmt: skip
+    results: dict = {}
+    details: dict = {}
+    for r in range(args.rounds):
+        turn = args.systems[r % len(args.systems) :] + args.systems[: r % len(args.systems)]
+        for case in cases:
+            for system in turn:
+                if case.startswith("jpeg") and system.endswith("_tar"):
+                    continue  # the cross-format readers are measured on small samples
+                folder = folder_of(data, system, case, args)
+                result = run_child(system, case, folder, watch_pss=case == "small_w2")
+                print(f"round {r} {case} {system}: {result}", file=sys.stderr)
+                for name, figure in figures_of(case, result).items():
+                    results.setdefault((name, system), []).append(figure)
+                for key in ("main_cpu_ms_per_batch", "pickled_bytes_per_batch"):
+                    if key in result:
+                        runs = details.setdefault(f"{case}:{key}", {}).setdefault(system, [])
+                        runs.append(round(result[key], 2))
+    return results, details
 
 
 def main() -> None:
@@ -412,37 +449,16 @@ def main() -> None:
     if args.child:
         child(*args.child)
         return
-    args.cases = args.cases.split(",")
-    args.systems = args.systems.split(",")
+    args.cases, args.systems = args.cases.split(","), args.systems.split(",")
     data = args.data_dir or tempfile.mkdtemp(prefix="nnh-peers-")
     try:
-        load_before = os.getloadavg()
         prepare(data, args)
-        runs = [c for case in args.cases for c in (
-            (case,) if case == "first_batch" else (f"{case}_w0", f"{case}_w2"))]  # fmt: skip
-        results: dict = {}
-        extra: dict = {}
-        for r in range(args.rounds):
-            for case in runs:
-                turn = args.systems[r % len(args.systems):] + args.systems[: r % len(args.systems)]
-                for system in turn:
-                    if case.startswith("jpeg") and system.endswith(("_tar",)):
-                        continue  # the cross-format readers are measured on small samples
-                    folder = folder_of(data, system, case, args)
-                    result = run_child(system, case, folder, watch_pss=case == "small_w2")
-                    name, value, higher = figure_of(case, result)
-                    results.setdefault((name, system), []).append((value, higher))
-                    if "peak_pss_mib" in result:
-                        results.setdefault(("peak_pss_mib", system), []).append(
-                            (result["peak_pss_mib"], False))
-                    for key in ("main_cpu_ms_per_batch", "pickled_bytes_per_batch"):
-                        if key in result:
-                            extra.setdefault(f"{case}:{key}", {}).setdefault(
-                                system, []).append(round(result[key], 2))
-                    print(f"round {r} {case} {system}: {result}", file=sys.stderr)
+        load_before = os.getloadavg()
+        results, details = run_rounds(data, args)
         out = summary(results, args.systems)
-        out.update(samples=args.samples, images=args.images, rounds=args.rounds, per_batch=extra,
-                   load_before=load_before, load_after=os.getloadavg())  # fmt: skip
+        out.update(samples=args.samples, images=args.images, rounds=args.rounds,
+                   per_batch=details, load_before=[round(x, 2) for x in load_before],
+                   load_after=[round(x, 2) for x in os.getloadavg()])  # fmt: skip
         print(json.dumps(out))
     finally:
         if args.data_dir is None:
