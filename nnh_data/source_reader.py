@@ -88,7 +88,7 @@ class SourceReader:
         meter = Meter.alone() if meter is None else meter
         runs, singles = self._runs(epoch, draws, pads)
         blocks = self._blocks(runs, singles)
-        reader = ShardReader(self.storage_options, self.nullable, arrow=rows is stages.COLUMNS)
+        reader = ShardReader(self.storage_options, self.nullable, arrow=rows.arrow)
         fetch, cached = reader.fetch, None
         if self.cache is not None and not is_local(self.index.shards[0].url):
             upcoming = self._blocks(*self._runs(epoch + 1, *following)) if following else ()

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from itertools import chain, repeat
+from dataclasses import dataclass, field, replace
+from itertools import chain, compress, repeat
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,7 @@ __all__ = [
     "LEFT_OUT",
     "SAMPLES",
     "SKIPPED",
+    "VALUE_COLUMNS",
     "Block",
     "Part",
     "Progress",
@@ -58,6 +59,8 @@ __all__ = [
 
 Block = tuple[int, int, int, int]  # (shard, start, stop, concat start)
 SKIPPED = "__skipped__"  # column flagging the rows of unreadable samples, in columns
+_ABSENT_ROWS = "__absent__"  # column flagging the rows that lack a field of other rows
+_ABSENT = object()  # the value of such a field there
 _GROUP = 1024  # positions assembled per part without shuffle
 _DONE = object()  # the bottom of a hand-out stack
 LEFT_OUT = object()  # what a ``finish`` function returns for an item it leaves out
@@ -81,6 +84,23 @@ def _columns_of_samples(samples: list) -> Columns:
     return cols
 
 
+def _joined_values(parts: list[Columns]) -> Columns:
+    """The parts' rows one after the other (:func:`batching.concat`); a field that some parts
+    lack (shards of other columns) is :data:`_ABSENT` in their rows, which are flagged in
+    :data:`_ABSENT_ROWS`, so that their samples are built without it."""
+    names = dict.fromkeys(chain.from_iterable(parts))
+    for name in (SKIPPED, _ABSENT_ROWS):
+        names.pop(name, None)
+    if all(len(names.keys() - part.keys()) == 0 for part in parts):
+        return batching.concat(parts)
+    filled = []
+    for part in parts:
+        n, lacking = batching.num_rows(part), names.keys() - part.keys()
+        absent = {name: [_ABSENT] * n for name in lacking}
+        filled.append({**part, **absent, _ABSENT_ROWS: [bool(lacking)] * n} if lacking else part)
+    return batching.concat(filled)
+
+
 @dataclass(frozen=True)
 class Rows:
     """How a stage handles one kind of rows: sample lists or columns."""
@@ -91,6 +111,7 @@ class Rows:
     take: Callable[[Any, np.ndarray], Any]
     label: Callable[[Any, str, Any], Any]  # set a constant field in every (readable) row
     from_samples: Callable[[list], Any]  # from a list of sample dicts (None: unreadable)
+    arrow: bool = False  # Parquet columns kept as Arrow arrays, not lists of Python values
 
 
 SAMPLES = Rows(
@@ -108,7 +129,11 @@ COLUMNS = Rows(
     take=batching.take,
     label=_label_columns,
     from_samples=_columns_of_samples,
+    arrow=True,
 )
+# Columns of Python values, built into samples at hand-out (per-sample Parquet): converting
+# a block's values while it is in cache, then gathering references, beats dicts per row read.
+VALUE_COLUMNS = replace(COLUMNS, join=_joined_values, arrow=False)
 
 
 @dataclass
@@ -228,6 +253,13 @@ class _Cursor:
         self._lo = lo
         return pieces[0] if len(pieces) == 1 else ops.join(pieces)
 
+    def skip_to(self, hi: int) -> None:
+        """Let go of the blocks before concat position ``hi``: the rows a window read that no
+        position needed (the blocks after them are the next stage's)."""
+        while self._lo + self._len < hi:
+            self._lo, self._rows = next(self._blocks)
+            self._len = self._ops.size(self._rows)
+
 
 def assemble(
     decoded: Iterator[tuple[int, Any]],
@@ -243,10 +275,15 @@ def assemble(
     cursor = _Cursor(decoded, rows)
     for group in window_groups(positions, window or _GROUP):
         concat = order.concat_positions(group)
-        low = int(concat.min())
-        taken = rows.take(cursor.take(low, int(concat.max()) + 1), concat - low)
+        low, high = int(concat.min()), int(concat.max()) + 1
+        taken = cursor.take(low, high)
+        if window or high - low != concat.size:  # not the rows as read (sorted without shuffle)
+            taken = rows.take(taken, concat - low)
         ids = order.ids_at_concat(concat)
         yield Part(taken, {"__index__": ids, "__pad__": np.zeros(ids.size, bool)}, ids)
+    if positions:  # the pads' blocks follow the whole windows read_plan read
+        size = window or 1
+        cursor.skip_to(min(-(-positions[-1][1] // size) * size, order.total))
     for _ in range(num_pads):
         concat, block = next(decoded)
         ids = order.ids_at_concat(np.array([concat], dtype=np.int64))
@@ -326,42 +363,73 @@ def hand_out_samples(
     finish: Callable[[dict], Any] | None,
     skipped: Callable[[dict], None],
 ) -> Iterator[Any]:
-    """The samples of ``parts``, each with its labels (``__index__``, ``__pad__``, and for
-    mixed sources ``__source__`` and ``__repeat__``) and ``__aug__`` (its parameters as a
-    dict), passed through ``finish`` unless it is None (it returns :data:`LEFT_OUT` to leave
-    one out). An unreadable sample (a ``None`` row) is reported to ``skipped`` with its labels
+    """The samples of ``parts`` (sample lists, or columns built into samples here), each with
+    its labels (``__index__``, ``__pad__``, and for mixed sources ``__source__`` and
+    ``__repeat__``) and ``__aug__`` (its parameters as a dict), passed through ``finish``
+    unless it is None (it returns :data:`LEFT_OUT` to leave one out). An unreadable sample (a
+    ``None`` row, or a row flagged :data:`SKIPPED`) is reported to ``skipped`` with its labels
     when its turn comes."""
     for part in parts:
-        labels = _label_lists(part)
-        index, pad, aug = labels["__index__"], labels["__pad__"], labels["__aug__"]
-        mixed = "__source__" in labels  # parts of mixed sources carry two more labels
-        source = labels["__source__"] if mixed else repeat(None)
-        again = labels["__repeat__"] if mixed else repeat(None)
+        samples, unreadable = _whole_samples(part)
         stack = [_DONE]
-        stack += reversed(part.rows)
-        del part  # the stack holds the samples, and lets go of each as it is handed out
+        stack += reversed(samples)
+        del part, samples  # the stack holds the samples, and lets go of each as it is handed out
         progress.start_window(stack)
-        for sample, i, p, a, s, r in zip(iter(stack.pop, _DONE), index, pad, aug, source, again):
+        if finish is None and not unreadable:
+            yield from iter(stack.pop, _DONE)
+            continue
+        unreadable = iter(unreadable)
+        for sample in iter(stack.pop, _DONE):
             if sample is None:
-                skipped({"__index__": i, "__source__": s} if mixed else {"__index__": i})
-                continue
-            sample["__index__"], sample["__pad__"], sample["__aug__"] = i, p, a
-            if mixed:
-                sample["__source__"], sample["__repeat__"] = s, r
-            if finish is None:
+                skipped(next(unreadable))
+            elif finish is None:
                 yield sample
             elif (sample := finish(sample)) is not LEFT_OUT:
                 yield sample
     progress.start_window([])
 
 
+def _whole_samples(part: Part) -> tuple[list, list[dict]]:
+    """The part's samples with their labels and ``__aug__`` set, ``None`` where unreadable
+    (those of a sample list are labelled in place, those of columns built here, in one pass
+    per part), and what ``skipped`` is told of each unreadable one, in order."""
+    labels = _label_lists(part)
+    if isinstance(part.rows, dict):
+        columns = dict(part.rows)
+        flags, lacking = columns.pop(SKIPPED, None), columns.pop(_ABSENT_ROWS, None)
+        columns.update(labels)
+        samples = batching.rows_of(list(columns), list(map(batching.as_list, columns.values())))
+        for i in [] if lacking is None else compress(range(len(samples)), lacking):
+            samples[i] = {k: v for k, v in samples[i].items() if v is not _ABSENT}
+        missing = [] if flags is None else list(compress(range(len(samples)), flags))
+        for i in missing:
+            samples[i] = None
+    else:
+        samples = part.rows
+        missing = [i for i, s in enumerate(samples) if s is None] if None in samples else []
+        readable = samples if not missing else list(filter(None, samples))
+        for name, values in labels.items():  # C-level passes, no Python loop body per sample
+            kept = values if not missing else compress(values, map(_is_not_none, samples))
+            deque(map(dict.__setitem__, readable, repeat(name), kept), 0)
+    if not missing:
+        return samples, []
+    names = ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
+    return samples, [{n: labels[n][i] for n in names} for i in missing]
+
+
+def _is_not_none(value: Any) -> bool:
+    return value is not None
+
+
 def _label_lists(part: Part) -> dict[str, list]:
     """A part's labels and parameters (``__aug__``, one dict per row) as lists of Python
-    values, ready to set in its sample dicts."""
-    out = {n: c.tolist() if isinstance(c, np.ndarray) else c for n, c in part.labels.items()}
+    values, in the order a sample holds them: ``__index__``, ``__pad__``, ``__aug__``, then
+    the others."""
     params = part.params
-    out["__aug__"] = batching.rows_of(list(params), [c.tolist() for c in params.values()])
-    return out
+    out = {"__index__": part.labels["__index__"], "__pad__": part.labels["__pad__"],
+           "__aug__": batching.rows_of(list(params), [c.tolist() for c in params.values()]),
+           **part.labels}  # fmt: skip
+    return {n: c.tolist() if isinstance(c, np.ndarray) else c for n, c in out.items()}
 
 
 def hand_out_rows(

@@ -60,6 +60,18 @@ def test_assemble_gives_each_position_its_sample_then_the_pads(rows, window):
     assert got == expected
 
 
+@pytest.mark.parametrize("rows", [stages.SAMPLES, stages.COLUMNS], ids=["samples", "columns"])
+@pytest.mark.parametrize("positions", [[(0, 3)], [(2, 6)], [(5, 9), (13, 14)]])
+def test_pads_after_a_window_read_in_part_are_their_own_samples(rows, positions):
+    # the last window is read whole but only partly needed: its rest is not the pads' rows
+    order = EpochOrder(COUNTS, seed=5, window=4)
+    blocks = list(stages.read_plan(order, positions, 4, pairs)) + list(stages.pad_plan(order, [1]))
+    parts = list(stages.assemble(decoded(order, blocks, rows), order, positions, 4, 1, rows))
+    pad = parts[-1]
+    g = [s["g"] for s in pad.rows] if rows is stages.SAMPLES else pad.rows["g"]
+    assert list(g) == pad.labels["__index__"].tolist() == order.sample_ids(np.array([1])).tolist()
+
+
 def test_window_groups_cut_at_window_edges():
     groups = [g.tolist() for g in stages.window_groups([(0, 3), (5, 9)], 4)]
     assert groups == [[0, 1, 2], [5, 6, 7], [8]]

@@ -18,6 +18,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader
 
 from nnh_data.augment import gen_augmentation_params, gen_distributed_augmentation_params
+from nnh_data.mixing import Source
 from nnh_data.shards import ShardError, build_shard_index
 from nnh_data.streaming import ShardedStreamingDataset
 from nnh_data.topology import dist_info
@@ -105,6 +106,25 @@ def test_pads_repeat_samples_with_their_parameters(tar_shards):
     assert pad["__aug__"] == streamed(gen_augmentation_params(pad["__index__"], base_seed=1))
 
 
+@pytest.mark.parametrize("batch_size", [None, 2])
+@pytest.mark.parametrize("fmt", ["tar", "parquet"])
+def test_pads_are_the_planned_samples_when_the_last_window_is_read_in_part(fmt, batch_size, shards):
+    index = build_shard_index(shards(fmt, LAYOUTS["empty"]))
+    for rank in range(5):
+        ds = ShardedStreamingDataset(index, rank=rank, world_size=5, seed=3, shuffle_window=4,
+                                     batch_size=batch_size)  # fmt: skip
+        out = list(ds)
+        if batch_size:
+            assert all(len(b["__key__"]) == len(b["__index__"]) for b in out)
+            out = [{"__index__": i, "__pad__": p, "id": int(v)} for b in out for i, p, v in
+                   zip(b["__index__"].tolist(), b["__pad__"].tolist(), b.get("cls", b.get("id")))
+                   ]  # fmt: skip
+        assert [_value(s) for s in out] == [s["__index__"] for s in out]
+        plan = [(i, p) for c in ds.planned_labels()
+                for i, p in zip(c["__index__"].tolist(), c["__pad__"].tolist())]  # fmt: skip
+        assert [(s["__index__"], s["__pad__"]) for s in out] == plan, rank
+
+
 @pytest.mark.parametrize("fmt", ["tar", "parquet"])
 def test_order_is_deterministic_and_changes_with_epoch_and_seed(fmt, shards):
     index = build_shard_index(shards(fmt, [30, 25, 40]))
@@ -154,6 +174,24 @@ def test_local_shards_are_read_without_a_thread_by_default(tar_shards):
 def test_decode_is_applied_to_every_sample(tar_shards):
     ds = ShardedStreamingDataset(tar_shards([3, 2]), decode=lambda s: (s["__index__"], s["cls"]))
     assert sorted(ds) == [(g, str(g).encode()) for g in range(5)]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_parquet_samples_hold_their_own_files_columns(tmp_path, mixed):
+    # samples are built from columns joined over files: a column of one file only is no key
+    # (not a None) in the other file's samples, in one source and across mixed sources
+    pq.write_table(pa.table({"id": [0, 1, 2, 3], "x": [b"a", b"b", None, b"d"]}),
+                   tmp_path / "a.parquet", row_group_size=2)  # fmt: skip
+    pq.write_table(pa.table({"id": [4, 5, 6], "y": [1.5, 2.5, 3.5]}), tmp_path / "b.parquet")
+    urls = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    source = [Source(urls[:1]), Source(urls[1:])] if mixed else urls
+    samples = list(ShardedStreamingDataset(source, seed=2, shuffle_window=5))
+    fields = {s["id"]: sorted(k for k in s if not k.startswith("__")) for s in samples}
+    assert fields == {g: ["id", "x"] if g < 4 else ["id", "y"] for g in range(7)}
+    assert [s["x"] for s in sorted(samples, key=lambda s: s["id"])[:4]] == [b"a", b"b", None, b"d"]
+    if not mixed:
+        assert list(samples[0]) == ["id", *fields[samples[0]["id"]][1:], "__key__",
+                                    "__shard__", "__index__", "__pad__", "__aug__"]  # fmt: skip
 
 
 def test_webdataset_shardwriter_and_pyarrow_interop(tmp_path):
