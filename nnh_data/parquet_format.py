@@ -3,13 +3,14 @@
 A :class:`ParquetReader` keeps the last file it opened (and its parsed footer), so reading a
 shard block after block opens it once. The reader belongs to one pass of one worker: a new
 pass makes a new reader, so a file rewritten between passes is read afresh, and nothing is
-shared between threads or across a fork. Rows are decompressed ``_BATCH`` at a time (and, for
-per-sample reading, turned into Python values) while they are in cache. Numeric and boolean
-columns come as numpy arrays, except those the dataset lists as nullable (a column then has one
-type in every batch): those, and every other type, come as lists of Python values with
-``None`` for nulls, or, for batches (``arrow=True``), as Arrow arrays: the shuffle then gathers
-them in Arrow, and text and bytes reach a batch as one buffer
-(:class:`~nnh_data.packed.PackedField`) without a Python object per value.
+shared between threads or across a fork. Numeric and boolean columns come as numpy arrays,
+except those the dataset lists as nullable (a column then has one type in every batch): those,
+and every other type, come as lists of Python values with ``None`` for nulls, or, for batches
+(``arrow=True``), as Arrow arrays: the shuffle then gathers them in Arrow, and text and bytes
+reach a batch as one buffer (:class:`~nnh_data.packed.PackedField`) without a Python object
+per value. Python values are made ``_BATCH`` rows at a time, while the decompressed rows are in
+cache; Arrow columns come from one ``read_row_groups`` call per block, one array per column
+(cheaper than joining batches again).
 
 >>> reader = ParquetReader()  # doctest: +SKIP
 >>> reader.read(index.shards[0], 0, 10)["__key__"][:2]  # doctest: +SKIP

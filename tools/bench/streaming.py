@@ -4,11 +4,17 @@ Prints one JSON object. On the same shards of 3 KiB samples (written by ``write_
 samples/s of nnh tar streaming, ``webdataset.WebDataset`` and ``tarfile`` (ratios
 ``tar_vs_webdataset``, ``tar_vs_tarfile``), and of the same shards as three mixed sources
 (``Source`` each read once per epoch, interleaved) against one source (``mixed_vs_one_source``);
-on the same rows as Parquet files, nnh per-sample
+on the same rows as Parquet files (4 columns, every one read on both sides), nnh per-sample
 dicts versus raw ``pyarrow`` ``iter_batches`` + ``to_pylist`` rows, both consumed by the same
 loop (``parquet_vs_pyarrow``), and nnh batches (``batch_size=256``, columns) versus
 ``iter_batches(batch_size=256)`` + ``to_pydict`` (``parquet_batched_vs_pyarrow``, the same
-output shape on both sides); seconds to the first
+output shape on both sides). pyarrow reads the files in order with its defaults (threads on);
+nnh runs with its defaults, so it shuffles (``shuffle_window=1024``: shards in a new order and
+rows gathered within windows) and adds its labels and ``__aug__`` parameters; the
+``*_unshuffled_*`` figures are nnh with ``shuffle=False``, the order pyarrow reads. The
+``*_cpu`` ratios compare process CPU time (all threads) instead of wall time: on a shared
+machine a process with more threads gets a larger share of the cores, which the wall ratio
+counts as speed. Then seconds to the first
 sample with 10,000 indexed shards of 10 samples (index sidecar on disk); peak RSS of a process
 streaming 1x and 10x the samples (``rss_growth`` = 10x / 1x - 1). Rates are the best of a few
 rounds in which a figure and its baselines take turns.
@@ -24,6 +30,8 @@ import json
 import os
 import tarfile
 import tempfile
+import time
+from collections.abc import Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -98,9 +106,30 @@ def pyarrow_columns(paths: list[str]) -> int:
     return rows
 
 
-def nnh_batched(index) -> int:
+def nnh_batched(index, shuffle: bool = True) -> int:
     """Rows of ``ShardedStreamingDataset(index, batch_size=BATCH)``; the row count."""
-    return sum(len(b["__index__"]) for b in ShardedStreamingDataset(index, batch_size=BATCH))
+    batches = ShardedStreamingDataset(index, batch_size=BATCH, shuffle=shuffle)
+    return sum(len(b["__index__"]) for b in batches)
+
+
+def nnh_samples(index, shuffle: bool = True) -> int:
+    """Samples of ``ShardedStreamingDataset(index)``; their count."""
+    return sum(1 for _ in ShardedStreamingDataset(index, shuffle=shuffle))
+
+
+def cpu_timed(fns: dict[str, Callable[[], int]], best: dict[str, float]) -> dict:
+    """``fns`` that also keep in ``best`` their highest items per second of process CPU time."""
+
+    def timed(name: str, fn: Callable[[], int]) -> Callable[[], int]:
+        def run() -> int:
+            start = time.process_time()
+            count = fn()
+            best[name] = max(best.get(name, 0.0), count / (time.process_time() - start))
+            return count
+
+        return run
+
+    return {name: timed(name, fn) for name, fn in fns.items()}
 
 
 def first_sample_seconds(pattern: str) -> float:
@@ -134,24 +163,34 @@ def main() -> None:
         few = urls[: max(1, len(urls) // 4)]  # the slow baselines read a quarter
         index = build_shard_index(urls)
         mixed = [Source(build_shard_index(group)) for group in thirds(urls)]
+        tar_cpu: dict[str, float] = {}
+        nnh_tar = {
+            "nnh": lambda: nnh_samples(index),
+            "mixed": lambda: sum(1 for _ in ShardedStreamingDataset(mixed)),
+        }
         tar = best_rates(
-            {
-                "nnh": lambda: sum(1 for _ in ShardedStreamingDataset(index)),
-                "mixed": lambda: sum(1 for _ in ShardedStreamingDataset(mixed)),
+            cpu_timed(nnh_tar, tar_cpu)
+            | {
                 "webdataset": lambda: sum(1 for _ in wds.WebDataset(few, shardshuffle=False)),
                 "tarfile": lambda: tarfile_count(few),
             },
             3,
         )
         paths = write_parquet(f"{tmp}/parquet", n)
-        pq_index = build_shard_index(paths)
+        pq_index = build_shard_index(paths, index_path=f"{tmp}/parquet-index.json")
+        cpu: dict[str, float] = {}
         parquet = best_rates(
-            {
-                "nnh": lambda: sum(1 for _ in ShardedStreamingDataset(pq_index)),
-                "pyarrow": lambda: sum(1 for _ in pyarrow_rows(paths)),
-                "nnh_batched": lambda: nnh_batched(pq_index),
-                "pyarrow_columns": lambda: pyarrow_columns(paths),
-            },
+            cpu_timed(
+                {
+                    "nnh": lambda: nnh_samples(pq_index),
+                    "nnh_unshuffled": lambda: nnh_samples(pq_index, shuffle=False),
+                    "pyarrow": lambda: sum(1 for _ in pyarrow_rows(paths)),
+                    "nnh_batched": lambda: nnh_batched(pq_index),
+                    "nnh_batched_unshuffled": lambda: nnh_batched(pq_index, shuffle=False),
+                    "pyarrow_columns": lambda: pyarrow_columns(paths),
+                },
+                cpu,
+            ),
             7,
         )
 
@@ -175,12 +214,23 @@ def main() -> None:
         "tar_vs_tarfile": round(tar["nnh"] / tar["tarfile"], 2),
         "nnh_mixed_3_sources_samples_per_s": round(tar["mixed"]),
         "mixed_vs_one_source": round(tar["mixed"] / tar["nnh"], 2),
+        "mixed_vs_one_source_cpu": round(tar_cpu["mixed"] / tar_cpu["nnh"], 2),
         "nnh_parquet_samples_per_s": round(parquet["nnh"]),
         "pyarrow_rows_per_s": round(parquet["pyarrow"]),
         "parquet_vs_pyarrow": round(parquet["nnh"] / parquet["pyarrow"], 2),
+        "parquet_vs_pyarrow_cpu": round(cpu["nnh"] / cpu["pyarrow"], 2),
+        "parquet_unshuffled_vs_pyarrow": round(parquet["nnh_unshuffled"] / parquet["pyarrow"], 2),
+        "parquet_unshuffled_vs_pyarrow_cpu": round(cpu["nnh_unshuffled"] / cpu["pyarrow"], 2),
         "nnh_parquet_batched_rows_per_s": round(parquet["nnh_batched"]),
         "pyarrow_columns_rows_per_s": round(parquet["pyarrow_columns"]),
         "parquet_batched_vs_pyarrow": round(parquet["nnh_batched"] / parquet["pyarrow_columns"], 2),
+        "parquet_batched_vs_pyarrow_cpu": round(cpu["nnh_batched"] / cpu["pyarrow_columns"], 2),
+        "parquet_batched_unshuffled_vs_pyarrow": round(
+            parquet["nnh_batched_unshuffled"] / parquet["pyarrow_columns"], 2
+        ),
+        "parquet_batched_unshuffled_vs_pyarrow_cpu": round(
+            cpu["nnh_batched_unshuffled"] / cpu["pyarrow_columns"], 2
+        ),
         "first_sample_s_10000_shards": round(first, 3),
         **rss,
     }
