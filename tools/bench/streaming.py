@@ -6,15 +6,16 @@ samples/s of nnh tar streaming, ``webdataset.WebDataset`` and ``tarfile`` (ratio
 (``Source`` each read once per epoch, interleaved) against one source (``mixed_vs_one_source``);
 on the same rows as Parquet files (4 columns, every one read on both sides), nnh per-sample
 dicts versus raw ``pyarrow`` ``iter_batches`` + ``to_pylist`` rows, both consumed by the same
-loop (``parquet_vs_pyarrow``), and nnh batches (``batch_size=256``, columns) versus
-``iter_batches(batch_size=256)`` + ``to_pydict`` (``parquet_batched_vs_pyarrow``, the same
-output shape on both sides). pyarrow reads the files in order with its defaults (threads on);
-nnh runs with its defaults, so it shuffles (``shuffle_window=1024``: shards in a new order and
-rows gathered within windows) and adds its labels and ``__aug__`` parameters; the
-``*_unshuffled_*`` figures are nnh with ``shuffle=False``, the order pyarrow reads. The
-``*_cpu`` ratios compare process CPU time (all threads) instead of wall time: on a shared
-machine a process with more threads gets a larger share of the cores, which the wall ratio
-counts as speed. Then seconds to the first
+loop (``parquet_vs_pyarrow``; ``parquet_vs_pyarrow_same_fields``: against those rows given
+the fields an nnh sample also holds, its labels and ``__aug__`` dict), and nnh batches
+(``batch_size=256``, columns) versus ``iter_batches(batch_size=256)`` + ``to_pydict``
+(``parquet_batched_vs_pyarrow``, the same output shape on both sides). pyarrow reads the
+files in order with its defaults (threads on); nnh runs with its defaults, so it shuffles
+(``shuffle_window=1024``: shards in a new order and rows gathered within windows) and adds
+its labels and ``__aug__`` parameters; the ``*_unshuffled_*`` figures are nnh with
+``shuffle=False``, the order pyarrow reads. The ``*_cpu`` ratios compare process CPU time (all
+threads) instead of wall time: on a shared machine a process with more threads gets a larger
+share of the cores, which the wall ratio counts as speed. Then seconds to the first
 sample with 10,000 indexed shards of 10 samples (index sidecar on disk); peak RSS of a process
 streaming 1x and 10x the samples (``rss_growth`` = 10x / 1x - 1). Rates are the best of a few
 rounds in which a figure and its baselines take turns.
@@ -33,11 +34,14 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import webdataset as wds
 from common import best_rates, in_fresh_process, rss_growth  # tools/bench/common.py
 
+from nnh_data.augment import gen_augmentation_params_batch
+from nnh_data.batching import rows_of
 from nnh_data.mixing import Source
 from nnh_data.shards import build_shard_index
 from nnh_data.streaming import ShardedStreamingDataset
@@ -95,6 +99,23 @@ def pyarrow_rows(paths: list[str]):
     for path in paths:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1000):
             yield from batch.to_pylist()
+
+
+def pyarrow_labelled_rows(paths: list[str]):
+    """The rows of :func:`pyarrow_rows` with what an nnh sample also holds, made as cheaply as
+    plain Python allows: ``__shard__``, ``__index__``, ``__pad__`` and ``__aug__`` (the
+    parameters of ``gen_augmentation_params_batch`` as one dict per row)."""
+    first = 0
+    for path in paths:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1000):
+            rows, ids = batch.to_pylist(), np.arange(first, first + batch.num_rows)
+            first += batch.num_rows
+            params = gen_augmentation_params_batch(ids, base_seed=0, epoch=0, rank_aware=False)
+            aug = rows_of(list(params), [column.tolist() for column in params.values()])
+            for row, i, a in zip(rows, ids.tolist(), aug):
+                row["__shard__"], row["__index__"] = path, i
+                row["__pad__"], row["__aug__"] = False, a
+            yield from rows
 
 
 def pyarrow_columns(paths: list[str]) -> int:
@@ -185,6 +206,7 @@ def main() -> None:
                     "nnh": lambda: nnh_samples(pq_index),
                     "nnh_unshuffled": lambda: nnh_samples(pq_index, shuffle=False),
                     "pyarrow": lambda: sum(1 for _ in pyarrow_rows(paths)),
+                    "pyarrow_labelled": lambda: sum(1 for _ in pyarrow_labelled_rows(paths)),
                     "nnh_batched": lambda: nnh_batched(pq_index),
                     "nnh_batched_unshuffled": lambda: nnh_batched(pq_index, shuffle=False),
                     "pyarrow_columns": lambda: pyarrow_columns(paths),
@@ -219,6 +241,8 @@ def main() -> None:
         "pyarrow_rows_per_s": round(parquet["pyarrow"]),
         "parquet_vs_pyarrow": round(parquet["nnh"] / parquet["pyarrow"], 2),
         "parquet_vs_pyarrow_cpu": round(cpu["nnh"] / cpu["pyarrow"], 2),
+        "parquet_vs_pyarrow_same_fields": round(parquet["nnh"] / parquet["pyarrow_labelled"], 2),
+        "parquet_vs_pyarrow_same_fields_cpu": round(cpu["nnh"] / cpu["pyarrow_labelled"], 2),
         "parquet_unshuffled_vs_pyarrow": round(parquet["nnh_unshuffled"] / parquet["pyarrow"], 2),
         "parquet_unshuffled_vs_pyarrow_cpu": round(cpu["nnh_unshuffled"] / cpu["pyarrow"], 2),
         "nnh_parquet_batched_rows_per_s": round(parquet["nnh_batched"]),
