@@ -34,6 +34,8 @@ def _loader(remote, proxy, cache_dir):
 def _workers() -> list[int]:
     """This process's children that are DataLoader workers (forked: their command is ours)."""
     me, out = str(os.getpid()), []
+    with open("/proc/self/cmdline", "rb") as f:
+        ours = f.read()  # not multiprocessing's resource tracker, a spawned child
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -42,7 +44,7 @@ def _workers() -> list[int]:
                 command = f.read()
         except OSError:
             continue
-        if fields[1] == me and fields[0] != "Z" and b"moto_server" not in command:
+        if fields[1] == me and fields[0] != "Z" and command == ours:
             out.append(int(pid))
     return sorted(out)
 
