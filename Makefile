@@ -21,8 +21,9 @@ demo: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_minimal.py \
 		--device cpu --data-dir build/demo/data --run-dir build/demo/run
 
+# 3 test processes on 2 cores: most long tests wait on the ranks, launchers and workers they start.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 3 --dist worksteal
 
 bench: $(STAMP)
 	for b in tools/bench/*.py; do echo "== $$b"; $(PY) $$b; done

@@ -36,8 +36,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import settings
 
 from tests.support import S3Proxy, free_port, numbered_samples, write_tar
+
+# Tests assert behaviour, never timings: no per-example deadline on a shared, loaded machine.
+settings.register_profile("nnh", deadline=None)
+settings.load_profile("nnh")
 
 MOTO_SERVER = Path(sys.executable).with_name("moto_server")
 _BUCKET_NUMBERS = itertools.count()

@@ -41,6 +41,7 @@ import pickle
 import queue
 import socket
 import struct
+import sys
 import tarfile
 import tempfile
 import threading
@@ -385,6 +386,14 @@ class _Rule:
         return self.requests is None or self.seen in self.requests
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A client that hangs up mid-request (the faults do it on purpose) is not an error."""
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class S3Proxy:
     """Forwards every request to ``upstream`` (an S3 endpoint such as moto on loopback) from a
     thread of this process; counts GET requests and body bytes sent per object path, and can
@@ -423,7 +432,7 @@ class S3Proxy:
         self._lock = threading.Lock()
         self._closing = threading.Event()  # ends stalls
         self._free_at = 0.0  # when the capped link is free again
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _proxy_handler(self))
+        self._server = _QuietServer(("127.0.0.1", 0), _proxy_handler(self))
         self._server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)

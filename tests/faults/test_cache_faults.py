@@ -136,7 +136,8 @@ def test_the_cache_folder_deleted_during_a_download(remote_large, s3_proxy, deli
     (one warning), the others through the folder laid out again; nothing is raised."""
     cache_dir = tmp_path / "cache"
     s3_proxy.inject(Fault.stall(1.5, after=1000), requests=[3])
-    remover = _when_stalled(s3_proxy, lambda: shutil.rmtree(cache_dir))
+    # ignore_errors: the worker may add a file while the tree goes (it lays the folder out again)
+    remover = _when_stalled(s3_proxy, lambda: shutil.rmtree(cache_dir, ignore_errors=True))
     ds = _dataset(remote_large, s3_proxy, cache_dir)
     assert deliver(ds, epochs=(0, 1), workers=1) == [remote_large.expected] * 2
     remover.join()
