@@ -334,8 +334,9 @@ def mix(streams: list[Iterator[Part]], chunks: Iterable[np.ndarray], rows: Rows)
     """
     cursors = [_PartCursor(iter(s), rows) for s in streams]
     for sources in chunks:
-        used = np.unique(sources)
-        combined = _join_parts([cursors[s].take(int((sources == s).sum())) for s in used], rows)
+        counts = np.bincount(sources)  # np.unique: ~25x the time on a chunk (numpy 2.4)
+        used = np.flatnonzero(counts)
+        combined = _join_parts([cursors[s].take(int(counts[s])) for s in used], rows)
         where = np.empty(sources.size, dtype=np.int64)  # row i of the chunk is combined[where[i]]
         where[np.argsort(sources, kind="stable")] = np.arange(sources.size)
         yield Part(rows.take(combined.rows, where), batching.take(combined.labels, where),

@@ -74,7 +74,8 @@ def test_seeds_differ_across_every_input():
 
 def test_no_seed_collisions_over_10m_ids():
     seeds = sample_seeds(stream_key(0, 0, 1, 0, 1), np.arange(10_000_000, dtype=np.int64))
-    assert np.unique(seeds).size == seeds.size
+    seeds.sort()  # np.unique took 20x the time of a sort here (numpy 2.4)
+    assert (seeds[1:] != seeds[:-1]).all()
 
 
 @pytest.mark.parametrize(
