@@ -11,7 +11,8 @@
 - ``shards(format, counts) -> list[str]``: tar or Parquet (3 rows per row group) shards.
 - ``moto_s3``: a session-wide ``moto_server`` on a free 127.0.0.1 port; yields an ``S3Server``
   with ``endpoint``, ``storage_options`` (for fsspec/s3fs) and ``bucket(name)`` -> a new, empty
-  bucket's URL ("s3://name-N", unique within the session, so tests never share a bucket). The
+  bucket's URL ("s3://name-N", unique within the session, so tests never share a bucket),
+  ``upload(paths, name)`` -> the ``ShardIndex`` of local shards copied to such a bucket. The
   server process is stopped at the end.
 - ``s3_proxy``: an ``S3Proxy`` (``tests/support.py``) in front of ``moto_s3`` for one test: point
   a dataset's ``storage_options`` at ``s3_proxy.storage_options`` and read ``s3_proxy.gets`` /
@@ -38,6 +39,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import settings
 
+from nnh_data import ShardIndex, build_shard_index
 from tests.support import S3Proxy, free_port, numbered_samples, write_tar
 
 # Tests assert behaviour, never timings: no per-example deadline on a shared, loaded machine.
@@ -94,6 +96,17 @@ class S3Server:
         unique = f"{name}-{next(_BUCKET_NUMBERS)}"
         fs.mkdir(unique)
         return f"s3://{unique}"
+
+    def upload(self, paths: list[str], name: str) -> ShardIndex:
+        """Local shards (one format) copied to a new bucket ``name-N``; their index there."""
+        import s3fs
+
+        bucket = self.bucket(name)
+        fs = s3fs.S3FileSystem(**self.storage_options, skip_instance_cache=True)
+        for path in paths:
+            fs.put_file(path, f"{bucket}/{os.path.basename(path)}")
+        extension = paths[0].rsplit(".", 1)[-1]
+        return build_shard_index(f"{bucket}/*.{extension}", storage_options=self.storage_options)
 
 
 def _wait_until_up(endpoint: str, process: subprocess.Popen, seconds: float = 30) -> None:

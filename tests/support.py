@@ -72,6 +72,7 @@ __all__ = [
     "Fault",
     "Net",
     "S3Proxy",
+    "Unrebuildable",
     "data",
     "encoded",
     "free_port",
@@ -303,6 +304,14 @@ def numbered_samples(first: int, count: int, size: int) -> list[dict]:
         {"__key__": f"{g:08d}", "cls": str(g).encode(), "bin": sample_bytes(g, size)}
         for g in range(first, first + count)
     ]
+
+
+class Unrebuildable(Exception):
+    """Pickles, but does not unpickle (its __init__ wants two arguments): an error that cannot
+    cross to another process as itself."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"unrebuildable {a}/{b}")
 
 
 class Net(nn.Module):

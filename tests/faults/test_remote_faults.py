@@ -1,7 +1,9 @@
 """Remote faults injected by request count through ``tests.support.S3Proxy``: transient ones
 (HTTP 500, a burst of 503 SlowDown, a connection reset mid-body, a truncated body, a stall
 past the read timeout) cost retries, never a sample; a shard that always fails is named after
-exactly ``ATTEMPTS`` requests and within the stated seconds, with and without the cache."""
+exactly ``ATTEMPTS`` attempts, with and without the cache (the bound the README states: the
+attempts are counted at the proxy, the waits between them in ``tests/nnh_data/test_retries.py``;
+no test here asserts wall seconds)."""
 
 from __future__ import annotations
 
@@ -34,12 +36,12 @@ TRANSIENT = [
 ]
 
 
-def _dataset(remote, proxy, cache_dir=None, **kwargs) -> ShardedStreamingDataset:
-    """Windows of one shard, so each worker reads three whole shards; reads time out after
-    1 s without a byte."""
+def _dataset(remote, proxy, cache_dir=None, window=PER_SHARD, **kwargs) -> ShardedStreamingDataset:
+    """Windows of one shard by default, so each worker reads three whole shards; reads time
+    out after 1 s without a byte."""
     options = {**proxy.storage_options, "config_kwargs": {"read_timeout": 1}}
     return ShardedStreamingDataset(remote.index, storage_options=options, seed=5,
-                                   shuffle_window=PER_SHARD, cache_dir=cache_dir,
+                                   shuffle_window=window, cache_dir=cache_dir,
                                    **kwargs)  # fmt: skip
 
 
@@ -68,26 +70,46 @@ def test_transient_faults_cost_no_sample(cached, remote, s3_proxy, deliver, tmp_
         _check_cache(cache_dir, downloads=6)
 
 
-def _named_within_the_bound(error: str, remote, s3_proxy, started: float) -> None:
-    """The error names shard 3, its attempts and their seconds, which stay in the bound."""
+def _named_after_the_attempts(error: str, remote, started: float) -> None:
+    """The error names shard 3, its ``ATTEMPTS`` attempts and their seconds: at least the
+    shortest waits between them (random, half of ``WAITS`` at least), and no more than the
+    test took (what the message says is measured, not made up)."""
     pattern = (rf"{re.escape(remote.url(3))}: unreadable \(.*\); gave up after {ATTEMPTS} "
-               r"attempts over (\d+\.\d) s")  # fmt: skip
+               r"attempts over (\d+\.\d) s \(at (?:sample 0, )?byte 0\)")  # fmt: skip
     seconds = float(re.search(pattern, error)[1])
     assert WAITS / 2 <= seconds <= time.monotonic() - started
-    assert seconds < WAITS + 10  # the waits, plus five quick 500 answers on a loaded machine
-    assert _gets(s3_proxy, remote.path(3)) == ["error"] * ATTEMPTS
 
 
 @CACHED
 def test_a_shard_that_always_fails_is_named_within_the_bound(
     cached, remote_tar, s3_proxy, deliver, tmp_path
 ):
+    """One reader reads shard 3: named after exactly ``ATTEMPTS`` GETs (through the cache too:
+    its prefetch's failed download is not tried again by its read on demand)."""
     remote = remote_tar
     s3_proxy.inject(Fault.error(500), path=remote.path(3))
     started = time.monotonic()
     with pytest.raises(ShardError) as raised:
         deliver(_dataset(remote, s3_proxy, tmp_path / "cache" if cached else None))
-    _named_within_the_bound(str(raised.value), remote, s3_proxy, started)
+    _named_after_the_attempts(str(raised.value), remote, started)
+    assert _gets(s3_proxy, remote.path(3)) == ["error"] * ATTEMPTS
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_a_failing_shard_read_by_two_workers_through_the_cache_is_named_once_tried(
+    remote_tar, s3_proxy, deliver, tmp_path, prefetch
+):
+    """Windows of 2 samples, so both workers read blocks of shard 3 and one may wait on the
+    other's download: the error still names it after one reader's ``ATTEMPTS`` attempts, and
+    no reader tries it more than that (at most ``ATTEMPTS`` GETs per worker)."""
+    remote = remote_tar
+    s3_proxy.inject(Fault.error(500), path=remote.path(3))
+    ds = _dataset(remote, s3_proxy, tmp_path / "cache", window=2, cache_prefetch=prefetch)
+    started = time.monotonic()
+    with pytest.raises(ShardError) as raised:
+        deliver(ds, workers=2)
+    _named_after_the_attempts(str(raised.value), remote, started)
+    assert ATTEMPTS <= len(_gets(s3_proxy, remote.path(3))) <= 2 * ATTEMPTS
 
 
 @CACHED
@@ -100,12 +122,10 @@ def test_skip_leaves_out_a_failing_shard_and_counts_it(
     s3_proxy.inject(Fault.error(500), path=remote.path(3))
     cache_dir = tmp_path / "cache" if cached else None
     ds = _dataset(remote, s3_proxy, cache_dir, on_error="skip")
-    started = time.monotonic()
     (delivered,) = deliver(ds, workers=1)
     lost = {f"{g:08d}" for g in range(3 * PER_SHARD, 4 * PER_SHARD)}
     assert delivered == {key: 1 for key in remote.expected if key not in lost}
     assert ds.error_counts == {remote.url(3): PER_SHARD}
     assert _gets(s3_proxy, remote.path(3)) == ["error"] * ATTEMPTS
-    assert time.monotonic() - started < WAITS + 20
     if cached:
         _check_cache(cache_dir, downloads=5)

@@ -1,13 +1,12 @@
-"""nnh_data.precompute and ``nnh-precompute``: values and coverage, lookups, task splits in real
-processes (one killed and rerun), verify, bad tables and the command's exit codes."""
+"""nnh_data.precompute: values and coverage, lookups, task splits in real ``nnh-precompute``
+processes (one killed and rerun), verify and bad tables. The command itself (its subcommands,
+messages and exit codes): ``test_precompute_cli.py``."""
 
 from __future__ import annotations
 
 import itertools
 import json
-import os
 import pickle
-import re
 import shutil
 import signal
 import struct
@@ -15,7 +14,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from importlib.metadata import entry_points
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,6 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 from nnh_data import (
-    AugmentationConfig,
     PrecomputedParams,
     PrecomputeSpec,
     gen_augmentation_params,
@@ -396,73 +393,6 @@ def test_missing_truncated_or_unfinished_tables_are_refused(table, tmp_path):
 def test_spec_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PrecomputeSpec(**kwargs)
-
-
-# --- the command -------------------------------------------------------------------------------
-
-
-def test_command_writes_shows_and_verifies(tmp_path, capsys):
-    out = str(tmp_path / "t")
-    args = ["--num-samples", "40", "--epochs", "2", "--preset", "mild", "--seed", "7",
-            "--rank-aware", "--world-size", "2", "--out", out, "--no-progress"]  # fmt: skip
-    assert main(args) == 0
-    assert "task 0/1: wrote 1 of 1 files; table complete" in capsys.readouterr().out
-    assert main(["show", out, "--sample-id", "42", "--epoch", "1", "--rank", "1"]) == 2
-    assert "sample_ids must be below" in capsys.readouterr().err
-    assert main(["show", out, "--sample-id", "39", "--epoch", "1", "--rank", "1"]) == 0
-    shown = json.loads(capsys.readouterr().out)
-    assert shown == gen_distributed_augmentation_params(39, 1, MILD, 7, 2, 1)
-    assert main(["verify", out]) == 0
-    assert "ok: 160 rows" in capsys.readouterr().out
-
-
-def test_command_reads_a_config_file(tmp_path, capsys):
-    config = tmp_path / "cfg.json"
-    config.write_text(json.dumps({**MILD.to_dict(), "rotation_range": [-5, 5]}))
-    out = str(tmp_path / "t")
-    assert main(["--num-samples", "5", "--epochs", "1", "--config", str(config), "--seed", "0",
-                 "--out", out, "--no-progress"]) == 0  # fmt: skip
-    assert main(["show", out, "--sample-id", "3"]) == 0
-    want = gen_augmentation_params(3, AugmentationConfig.from_dict(json.loads(config.read_text())))
-    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == want
-
-
-@pytest.mark.parametrize(
-    ("args", "status", "message"),
-    [
-        (["--num-samples", "x"], 2, "argument --num-samples: invalid int value"),
-        (["--num-samples", "5", "--epochs", "1", "--seed", "0", "--out", "o"], 2,
-         "one of the arguments --preset --config is required"),
-        (["--num-samples", "5", "--epochs", "1", "--seed", "0", "--preset", "mild", "--out",
-          "{tmp}/o", "--world-size", "2"], 2, "world_size is 2 but rank_aware is False"),
-        (["--num-samples", "5", "--epochs", "1", "--seed", "0", "--config", "{tmp}/none.json",
-          "--out", "{tmp}/o"], 2, "No such file"),
-        (["--num-samples", "5", "--epochs", "1", "--seed", "0", "--preset", "mild", "--out",
-          "{tmp}/o", "--num-tasks", "3"], 2, "num_tasks is 3 but task_index is not given"),
-        (["verify", "{tmp}/nowhere"], 1, "does not exist"),
-        (["verify", "{tmp}", "--fraction", "2"], 2, r"--fraction must be in \(0, 1\], got 2"),
-        (["finalize", "{tmp}"], 2, "holds no table"),
-    ],
-)  # fmt: skip
-def test_command_errors_are_one_line_with_a_status(tmp_path, capsys, args, status, message):
-    assert main([a.replace("{tmp}", str(tmp_path)) for a in args]) == status
-    err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and err.startswith("nnh-precompute")
-    assert re.search(message, err), err
-
-
-def test_verify_failure_exits_1_with_the_difference(table, capsys):
-    (table / "part-000001.parquet").unlink()
-    assert main(["verify", str(table)]) == 1
-    err = capsys.readouterr().err
-    missing = table / "part-000001.parquet"
-    assert err.splitlines() == [f"nnh-precompute: error: {missing} is missing"]
-
-
-def test_console_script_is_installed():
-    (script,) = entry_points(group="console_scripts", name="nnh-precompute")
-    assert script.value == "nnh_data.precompute_cli:main"
-    assert os.access(Path(sys.executable).with_name("nnh-precompute"), os.X_OK)
 
 
 def test_a_table_with_crop_and_flip_columns(tmp_path):
