@@ -49,7 +49,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
-from tqdm.auto import tqdm
 
 from nnh_data.checks import check_choice, check_int
 from nnh_data.gather import gather_for_metrics
@@ -95,6 +94,7 @@ from nnh_train.preemption import (
     reported_interrupt,
     requeue,
 )
+from nnh_train.progress import EpochProgress
 from nnh_train.run_lock import acquire_run_dirs, release_run_dirs
 
 __all__ = ["PRECISIONS", "PREEMPTED_EXIT_CODE", "NNHandler"]
@@ -116,6 +116,7 @@ class _Run:
     max_steps: int | None
     requeue: bool
     preempt_path: str | None
+    progress_every: int | None
 
     def __post_init__(self) -> None:
         check_int("epochs", self.epochs, low=0)
@@ -124,6 +125,8 @@ class _Run:
         check_int("gradient_accumulation_steps", self.accumulation, low=1)
         if self.max_steps is not None:
             check_int("max_steps", self.max_steps, low=0)
+        if self.progress_every is not None:
+            check_int("progress_every", self.progress_every, low=1)
 
 
 class NNHandler(OriginalAPI):
@@ -355,6 +358,7 @@ class NNHandler(OriginalAPI):
         compile: bool | str = False,
         requeue: bool = False,
         preempt_path: str | os.PathLike | None = None,
+        progress_every: int | None = None,
         **original_options: Any,
     ) -> NNHandler | None:
         """Train until ``epochs`` epochs are done in total (a resumed run continues its count).
@@ -381,6 +385,9 @@ class NNHandler(OriginalAPI):
                 :data:`PREEMPTED_EXIT_CODE`; default the ``last.pt`` of the first
                 :class:`~nnh_train.callbacks.ModelCheckpoint`; with neither, signals keep their
                 usual effect.
+            progress_every: when stderr is not a terminal (a Slurm log, a pipe), rank 0 prints a
+                plain progress line every that many batches instead of a tqdm bar; default
+                about ten lines an epoch (:class:`~nnh_train.progress.EpochProgress`).
             original_options: the original NNHandler's ``train`` options (``use_amp``,
                 ``seed``, ...), honoured or refused by name
                 (:func:`~nnh_train.compat.train_precision`).
@@ -395,14 +402,14 @@ class NNHandler(OriginalAPI):
         """
         if epochs is None or isinstance(epochs, bool):
             options = (validate_every, precision, gradient_accumulation_steps, max_steps, resume,
-                       compile, requeue, preempt_path)  # fmt: skip
-            if original_options or options != (1, "fp32", 1, None, None, False, False, None):
+                       compile, requeue, preempt_path, progress_every)  # fmt: skip
+            if original_options or options != (1, "fp32", 1, None, None, False, False, None, None):
                 raise ValueError("train needs epochs (an int) to train; train() and "
                                  "train(False) without other arguments set the model's mode")
             return self.eval(epochs is False)
         precision = train_precision(original_options, precision, self.device)
         run = _Run(epochs, validate_every, precision, gradient_accumulation_steps, max_steps,
-                   bool(requeue), self._preempt_path(preempt_path))  # fmt: skip
+                   bool(requeue), self._preempt_path(preempt_path), progress_every)  # fmt: skip
         self._check_ready()
         self._prepare(run, compile)
         if resume is not None:
@@ -464,15 +471,15 @@ class NNHandler(OriginalAPI):
         self._call("on_epoch_begin")
         loader = self.train_loader
         clock = _Clock(time.perf_counter())
+        _set_epoch(loader, self.epoch)
         total = _length(loader)
-        quiet = {"disable": True} if self.rank != 0 else {}  # rank 0: TQDM_DISABLE=1 works
-        bar = tqdm(total=total, initial=self._batches_done, leave=False, dynamic_ncols=True,
-                   desc=f"epoch {self.epoch + 1}/{run.epochs}", **quiet)  # fmt: skip
-        with bar:
-            for group in _groups(self._epoch_batches(loader), run.accumulation, clock):
-                self._train_step(group, run)
-                bar.update(len(group))
-                bar.set_postfix(loss=f"{self.step_loss:.4g}", refresh=False)
+        batches = self._epoch_batches(loader)
+        desc = f"epoch {self.epoch + 1}/{run.epochs}"
+        with EpochProgress(desc, total, self._batches_done, run.progress_every,
+                           enabled=self.rank == 0) as progress:  # fmt: skip
+            for group in _groups(batches, run.accumulation, clock):
+                samples = self._train_step(group, run)
+                progress.update(len(group), samples, self.step_loss)
                 if run.max_steps is not None and self.step >= run.max_steps:
                     self._resume = self._rank_state()  # a later train() continues from here
                     return False
@@ -481,7 +488,6 @@ class NNHandler(OriginalAPI):
 
     def _epoch_batches(self, loader: DataLoader) -> Iterator[tuple[Any, int, torch.Tensor | None]]:
         """This epoch's batches from where the run stands, as (batch, size, pad mask)."""
-        _set_epoch(loader, self.epoch)
         resume, self._resume = self._resume, None
         mid_epoch = resume is not None and self._batches_done > 0
         if resume is not None:
@@ -495,7 +501,8 @@ class NNHandler(OriginalAPI):
         seen = self._batches_done * (loader.batch_size or 1)
         return _counted(batches, _pad_flags(loader), seen)
 
-    def _train_step(self, group: list[tuple[Any, int, torch.Tensor | None]], run: _Run) -> None:
+    def _train_step(self, group: list[tuple[Any, int, torch.Tensor | None]], run: _Run) -> int:
+        """One optimizer step over ``group``; the real samples it trained on, over all ranks."""
         rows = self._forward_backward(group)()
         self._check_finite(rows)
         self._optimizer_step()
@@ -503,6 +510,7 @@ class NNHandler(OriginalAPI):
         self._call("on_batch_end")
         if any(row[-1] for row in rows):
             self._preempt(run, [r for r, row in enumerate(rows) if row[-1]])
+        return int(sum(row[-2] for row in rows))
 
     def _forward_backward(
         self, group: list[tuple[Any, int, torch.Tensor | None]]
