@@ -473,7 +473,7 @@ class NNHandler(OriginalAPI):
         clock = _Clock(time.perf_counter())
         _set_epoch(loader, self.epoch)
         total = _length(loader)
-        batches = self._epoch_batches(loader)
+        batches = self._epoch_batches(loader)  # after it, _batches_done is where the rank is
         desc = f"epoch {self.epoch + 1}/{run.epochs}"
         with EpochProgress(desc, total, self._batches_done, run.progress_every,
                            enabled=self.rank == 0) as progress:  # fmt: skip
@@ -494,7 +494,7 @@ class NNHandler(OriginalAPI):
             set_rng_state(resume["epoch_rng"] if mid_epoch else resume["rng"])
         self._epoch_rng = rng_state()
         if mid_epoch:
-            batches = _resumed(loader, resume, self._batches_done)
+            batches, self._batches_done = _resumed(loader, resume, self._batches_done)
             set_rng_state(resume["rng"])
         else:
             batches = _iterate(loader)
@@ -1128,32 +1128,36 @@ def _iterate(loader: DataLoader) -> Iterator[Any]:
         return iter(loader)
 
 
-def _resumed(loader: DataLoader, resume: dict[str, Any], skip: int) -> Iterator[Any]:
-    """``loader``'s batches from batch ``skip`` of the epoch on: from the loader's saved state,
-    from a stream state merged over workers (another world size: the rest is split again), or
+def _resumed(loader: DataLoader, resume: dict[str, Any], skip: int) -> tuple[Iterator[Any], int]:
+    """``loader``'s batches from batch ``skip`` of the epoch on, and the batch this rank is at:
+    from the loader's saved state, from a stream state merged over workers (another world
+    size: the rest is split again, so the rank is at its epoch's batches less those left), or
     by replaying the sampler."""
     if resume.get("dataset") is not None:
+        epoch_batches = len(loader)
         loader.dataset.load_state_dict(resume["dataset"])
-        return _iterate(loader)
+        at = epoch_batches - len(loader)  # before iterating: that starts the pass
+        return _iterate(loader), at
     if resume["loader"] is not None:
         loader.load_state_dict(resume["loader"])
-        return _iterate(loader)
+        return _iterate(loader), skip
     if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
         batches = _iterate(loader)
         for _ in islice(batches, skip):  # no sampler to replay: read and drop
             pass
-        return batches
+        return batches, skip
     # DataLoader draws its worker seed before the sampler draws its order: draw it too, so
     # a sampler on the global generator (RandomSampler) replays the same order.
     torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
     rest = list(islice(iter(loader.batch_sampler), skip, None))
-    return iter(DataLoader(
+    replay = DataLoader(
         loader.dataset, batch_sampler=rest, num_workers=loader.num_workers,
         collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn, generator=loader.generator,
         multiprocessing_context=loader.multiprocessing_context,
         prefetch_factor=loader.prefetch_factor,
-    ))  # fmt: skip
+    )  # fmt: skip
+    return iter(replay), skip
 
 
 def _length(loader: DataLoader) -> int | None:
