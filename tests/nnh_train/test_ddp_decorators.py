@@ -1,10 +1,8 @@
-"""on_rank on real gloo groups; ParallelExecutor, parallelize_on_gpus and parallel_on_all_devices
-on the CPU (one spawned worker), including workers that raise, exit and crash."""
+"""on_rank on real gloo groups: errors on chosen ranks reach every rank within seconds.
+ParallelExecutor and the other names re-exported here are tested in test_parallel.py."""
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 
@@ -12,22 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nnh_train import (
-    ParallelExecutor,
-    RankError,
-    WorkerError,
-    on_rank,
-    parallel_on_all_devices,
-    parallelize_on_gpus,
-)
+from nnh_train import RankError, on_rank
 from tests.support import run_distributed
 
 GROUP_TIMEOUT_S = 30.0  # run_distributed gives the group half of its timeout
-CUDA = torch.cuda.is_available()
-WORKER_DEVICES = (
-    [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    if CUDA else [torch.device("cpu")]
-)
 
 
 class _Unrebuildable(Exception):
@@ -130,70 +116,3 @@ def test_on_rank_without_group_just_runs():
 def test_on_rank_rejects_bad_ranks(rank):
     with pytest.raises(ValueError, match="rank"):
         on_rank(rank)
-
-
-def _scaled_sum(x: torch.Tensor, factor: float = 1.0, *, device: torch.device) -> dict:
-    return {"sum": (x.to(device) * factor).sum(), "device": str(device), "pid": os.getpid()}
-
-
-def _raise_in_worker(*, device: torch.device) -> None:
-    raise KeyError("worker went wrong")
-
-
-def _exit_hard(*, device: torch.device) -> None:
-    os._exit(3)
-
-
-def _segfault(*, device: torch.device) -> None:
-    os.kill(os.getpid(), signal.SIGSEGV)
-
-
-@parallelize_on_gpus(pass_device=False)
-def _doubled(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
-
-
-@pytest.mark.timeout(60)
-def test_parallel_executor_runs_one_cpu_worker_per_run():
-    with ParallelExecutor() as executor:
-        assert executor.devices == WORKER_DEVICES
-        results = executor.run(_scaled_sum, torch.arange(4.0), factor=2.0)
-    assert [r["device"] for r in results] == [str(d) for d in WORKER_DEVICES]
-    first = results[0]
-    assert first["sum"].item() == 12.0 and first["sum"].device.type == "cpu"
-    assert first["pid"] != os.getpid()
-    assert [t.tolist() for t in _doubled(torch.ones(2))] == [[2.0, 2.0]] * len(WORKER_DEVICES)
-
-
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize(
-    ("func", "expected"),
-    [
-        (_raise_in_worker, "KeyError: 'worker went wrong'"),
-        (_exit_hard, "exit code 3"),
-        (_segfault, "SIGSEGV"),
-    ],
-)
-def test_parallel_executor_raises_when_a_worker_fails(func, expected):
-    message = f"{func.__name__} failed in the worker for {WORKER_DEVICES[0]}"
-    with pytest.raises(WorkerError, match=message) as info:
-        ParallelExecutor().run(func)
-    assert expected in str(info.value)
-
-
-@pytest.mark.skipif(CUDA, reason="checks the CPU fallback")
-def test_parallel_executor_on_cpu_warns_that_gpus_are_ignored():
-    with pytest.warns(RuntimeWarning, match="num_gpus=2 but CUDA is not available"):
-        assert ParallelExecutor(num_gpus=2).devices == [torch.device("cpu")]
-    with pytest.raises(ValueError, match="num_gpus"):
-        ParallelExecutor(num_gpus=0)
-
-
-@pytest.mark.skipif(torch.cuda.device_count() > 1, reason="checks the fallback below 2 GPUs")
-def test_parallel_on_all_devices_runs_directly_below_two_gpus():
-    @parallel_on_all_devices
-    def double(batch: torch.Tensor) -> torch.Tensor:
-        return batch * 2
-
-    assert double(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
-    assert double.__name__ == "double"
