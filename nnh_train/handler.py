@@ -527,37 +527,40 @@ class NNHandler(OriginalAPI):
                 with self._autocast():
                     output = self._forward(inputs)
                     loss = self.loss_fn(output, target)
-                trained.append(loss.detach() * (size / total))
+                value = loss.detach().double().reshape(1)
+                trained.append(_weighted(value, size / total))
                 count = size if pads is None else size - int(pads.sum())
                 if count:
-                    figures.append(self._figures(loss, output, target, pads) * count)
+                    figures.append((self._figures(value, output, target, pads), count))
                 real += count
                 if last:
                     rows = self._gather(self._row(trained, figures, real))
-                self._backward(loss * (size / total))
+                self._backward(_weighted(loss, size / total))
         return rows
 
     def _figures(
-        self, loss: torch.Tensor, output: Any, target: Any, pads: torch.Tensor | None
+        self, value: torch.Tensor, output: Any, target: Any, pads: torch.Tensor | None
     ) -> torch.Tensor:
-        """The batch's loss and metrics over its real samples (pads left out), as float64."""
+        """The batch's loss (``value``: float64, shape (1,)) and metrics over its real samples
+        (pads left out), as float64."""
         if pads is not None:
             output, target = _select(_detached(output), ~pads), _select(target, ~pads)
             with torch.no_grad(), self._autocast():
-                loss = self.loss_fn(output, target)
-        loss = loss.detach().double().reshape(1)
-        return torch.cat([loss, self._metric_values(output, target)]) if self.metrics else loss
+                value = self.loss_fn(output, target).detach().double().reshape(1)
+        return torch.cat([value, self._metric_values(output, target)]) if self.metrics else value
 
     def _row(
-        self, trained: list[torch.Tensor], figures: list[torch.Tensor], real: int
+        self, trained: list[torch.Tensor], figures: list[tuple[torch.Tensor, int]], real: int
     ) -> torch.Tensor:
         """This rank's row: [loss trained on, loss and metrics over the real samples, real
-        sample count, signal flag], float64 on the device."""
-        means = sum(figures[1:], figures[0]) / real if real else self._zeros(1 + len(self.metrics))
+        sample count, signal flag], float64 on the device, from each batch's weighted loss
+        (``trained``) and its (figures, real count) where it has real samples."""
+        weighted = [_weighted(values, count / real) for values, count in figures]
+        means = sum(weighted[1:], weighted[0]) if weighted else self._zeros(1 + len(self.metrics))
         tail = torch.tensor(
             [real, bool(self._signal)], dtype=torch.float64, device=self.device
         )
-        return torch.cat([sum(trained[1:], trained[0]).double().reshape(1), means, tail])
+        return torch.cat([sum(trained[1:], trained[0]), means, tail])
 
     def _zeros(self, size: int) -> torch.Tensor:
         return torch.zeros(size, dtype=torch.float64, device=self.device)
@@ -1209,6 +1212,12 @@ def _select(batch: Any, keep: torch.Tensor) -> Any:
     if isinstance(batch, (list, tuple)):
         return [value for value, kept in zip(batch, keep.tolist()) if kept]
     return batch
+
+
+def _weighted(value: torch.Tensor, weight: float) -> torch.Tensor:
+    """``value * weight``; ``value`` itself for a weight of 1 (a group of one batch), which saves
+    the step an operation, and the backward a node, for nothing."""
+    return value if weight == 1 else value * weight
 
 
 def _detached(output: Any) -> Any:
