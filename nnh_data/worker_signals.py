@@ -11,6 +11,14 @@ A rank that does not handle SIGTERM dies of it, and its workers too, as before; 
 ending its workers with SIGTERM (``multiprocessing`` does at interpreter exit) stops handling
 SIGTERM first (an exit hook), so that exit never waits for a worker that ignored it. A worker
 whose rank died ends within seconds (torch's watchdog). The user's ``worker_init_fn`` runs after.
+
+A worker hands each batch's tensors to its rank as file descriptors, through ``multiprocessing``'s
+resource sharer: a thread in the worker that the rank connects to, and that reports any error
+with ``sys.excepthook``. A rank stopped by Ctrl-C while it receives a batch closes that
+connection under the thread, which printed a ``ConnectionResetError`` (or ``BrokenPipeError``)
+traceback into the rank's log beside the rank's one-line message. A shielded worker leaves out
+exactly those: connection errors of the resource sharer, whose only peer is its rank, which
+reports its own stop or failure.
 """
 
 from __future__ import annotations
@@ -18,9 +26,11 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
-from types import FrameType
+from multiprocessing import resource_sharer
+from types import FrameType, TracebackType
 from typing import Any
 
 __all__ = ["shield_worker", "shielded_worker_init"]
@@ -54,7 +64,8 @@ class _ShieldedInit:
 
 
 def shield_worker() -> None:
-    """In a loader worker: ignore the rank's signals, end with the rank."""
+    """In a loader worker: ignore the rank's signals, end with the rank, print nothing when the
+    rank drops a batch it was receiving."""
     for number in _IGNORED:
         signal.signal(number, signal.SIG_IGN)
     parent = os.getppid()
@@ -66,6 +77,23 @@ def shield_worker() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_term)
+    _quiet_resource_sharer()
+
+
+def _quiet_resource_sharer() -> None:
+    """``sys.excepthook`` without the resource sharer's connection errors (see the module)."""
+    previous = sys.excepthook
+    if getattr(previous, "nnh_quiet_sharer", False):
+        return
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        where = tb.tb_frame.f_globals.get("__name__") if tb is not None else None
+        dropped = issubclass(kind, (ConnectionError, EOFError))
+        if not (dropped and where == resource_sharer.__name__):
+            previous(kind, exc, tb)
+
+    hook.nnh_quiet_sharer = True
+    sys.excepthook = hook
 
 
 def _handles(pid: int, signum: int) -> bool:

@@ -49,7 +49,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
-from tqdm.auto import tqdm
 
 from nnh_data.checks import check_choice, check_int
 from nnh_data.gather import gather_for_metrics
@@ -95,6 +94,7 @@ from nnh_train.preemption import (
     reported_interrupt,
     requeue,
 )
+from nnh_train.progress import EpochProgress
 from nnh_train.run_lock import acquire_run_dirs, release_run_dirs
 
 __all__ = ["PRECISIONS", "PREEMPTED_EXIT_CODE", "NNHandler"]
@@ -116,6 +116,7 @@ class _Run:
     max_steps: int | None
     requeue: bool
     preempt_path: str | None
+    progress_every: int | None
 
     def __post_init__(self) -> None:
         check_int("epochs", self.epochs, low=0)
@@ -124,6 +125,8 @@ class _Run:
         check_int("gradient_accumulation_steps", self.accumulation, low=1)
         if self.max_steps is not None:
             check_int("max_steps", self.max_steps, low=0)
+        if self.progress_every is not None:
+            check_int("progress_every", self.progress_every, low=1)
 
 
 class NNHandler(OriginalAPI):
@@ -355,6 +358,7 @@ class NNHandler(OriginalAPI):
         compile: bool | str = False,
         requeue: bool = False,
         preempt_path: str | os.PathLike | None = None,
+        progress_every: int | None = None,
         **original_options: Any,
     ) -> NNHandler | None:
         """Train until ``epochs`` epochs are done in total (a resumed run continues its count).
@@ -381,6 +385,9 @@ class NNHandler(OriginalAPI):
                 :data:`PREEMPTED_EXIT_CODE`; default the ``last.pt`` of the first
                 :class:`~nnh_train.callbacks.ModelCheckpoint`; with neither, signals keep their
                 usual effect.
+            progress_every: when stderr is not a terminal (a Slurm log, a pipe), rank 0 prints a
+                plain progress line every that many batches instead of a tqdm bar; default
+                about ten lines an epoch (:class:`~nnh_train.progress.EpochProgress`).
             original_options: the original NNHandler's ``train`` options (``use_amp``,
                 ``seed``, ...), honoured or refused by name
                 (:func:`~nnh_train.compat.train_precision`).
@@ -395,14 +402,14 @@ class NNHandler(OriginalAPI):
         """
         if epochs is None or isinstance(epochs, bool):
             options = (validate_every, precision, gradient_accumulation_steps, max_steps, resume,
-                       compile, requeue, preempt_path)  # fmt: skip
-            if original_options or options != (1, "fp32", 1, None, None, False, False, None):
+                       compile, requeue, preempt_path, progress_every)  # fmt: skip
+            if original_options or options != (1, "fp32", 1, None, None, False, False, None, None):
                 raise ValueError("train needs epochs (an int) to train; train() and "
                                  "train(False) without other arguments set the model's mode")
             return self.eval(epochs is False)
         precision = train_precision(original_options, precision, self.device)
         run = _Run(epochs, validate_every, precision, gradient_accumulation_steps, max_steps,
-                   bool(requeue), self._preempt_path(preempt_path))  # fmt: skip
+                   bool(requeue), self._preempt_path(preempt_path), progress_every)  # fmt: skip
         self._check_ready()
         self._prepare(run, compile)
         if resume is not None:
@@ -464,15 +471,15 @@ class NNHandler(OriginalAPI):
         self._call("on_epoch_begin")
         loader = self.train_loader
         clock = _Clock(time.perf_counter())
+        _set_epoch(loader, self.epoch)
         total = _length(loader)
-        quiet = {"disable": True} if self.rank != 0 else {}  # rank 0: TQDM_DISABLE=1 works
-        bar = tqdm(total=total, initial=self._batches_done, leave=False, dynamic_ncols=True,
-                   desc=f"epoch {self.epoch + 1}/{run.epochs}", **quiet)  # fmt: skip
-        with bar:
-            for group in _groups(self._epoch_batches(loader), run.accumulation, clock):
-                self._train_step(group, run)
-                bar.update(len(group))
-                bar.set_postfix(loss=f"{self.step_loss:.4g}", refresh=False)
+        batches = self._epoch_batches(loader)  # after it, _batches_done is where the rank is
+        desc = f"epoch {self.epoch + 1}/{run.epochs}"
+        with EpochProgress(desc, total, self._batches_done, run.progress_every,
+                           enabled=self.rank == 0) as progress:  # fmt: skip
+            for group in _groups(batches, run.accumulation, clock):
+                samples = self._train_step(group, run)
+                progress.update(len(group), samples, self.step_loss)
                 if run.max_steps is not None and self.step >= run.max_steps:
                     self._resume = self._rank_state()  # a later train() continues from here
                     return False
@@ -481,21 +488,21 @@ class NNHandler(OriginalAPI):
 
     def _epoch_batches(self, loader: DataLoader) -> Iterator[tuple[Any, int, torch.Tensor | None]]:
         """This epoch's batches from where the run stands, as (batch, size, pad mask)."""
-        _set_epoch(loader, self.epoch)
         resume, self._resume = self._resume, None
         mid_epoch = resume is not None and self._batches_done > 0
         if resume is not None:
             set_rng_state(resume["epoch_rng"] if mid_epoch else resume["rng"])
         self._epoch_rng = rng_state()
         if mid_epoch:
-            batches = _resumed(loader, resume, self._batches_done)
+            batches, self._batches_done = _resumed(loader, resume, self._batches_done)
             set_rng_state(resume["rng"])
         else:
             batches = _iterate(loader)
         seen = self._batches_done * (loader.batch_size or 1)
         return _counted(batches, _pad_flags(loader), seen)
 
-    def _train_step(self, group: list[tuple[Any, int, torch.Tensor | None]], run: _Run) -> None:
+    def _train_step(self, group: list[tuple[Any, int, torch.Tensor | None]], run: _Run) -> int:
+        """One optimizer step over ``group``; the real samples it trained on, over all ranks."""
         rows = self._forward_backward(group)()
         self._check_finite(rows)
         self._optimizer_step()
@@ -503,6 +510,7 @@ class NNHandler(OriginalAPI):
         self._call("on_batch_end")
         if any(row[-1] for row in rows):
             self._preempt(run, [r for r, row in enumerate(rows) if row[-1]])
+        return int(sum(row[-2] for row in rows))
 
     def _forward_backward(
         self, group: list[tuple[Any, int, torch.Tensor | None]]
@@ -519,37 +527,40 @@ class NNHandler(OriginalAPI):
                 with self._autocast():
                     output = self._forward(inputs)
                     loss = self.loss_fn(output, target)
-                trained.append(loss.detach() * (size / total))
+                value = loss.detach().double().reshape(1)
+                trained.append(_weighted(value, size / total))
                 count = size if pads is None else size - int(pads.sum())
                 if count:
-                    figures.append(self._figures(loss, output, target, pads) * count)
+                    figures.append((self._figures(value, output, target, pads), count))
                 real += count
                 if last:
                     rows = self._gather(self._row(trained, figures, real))
-                self._backward(loss * (size / total))
+                self._backward(_weighted(loss, size / total))
         return rows
 
     def _figures(
-        self, loss: torch.Tensor, output: Any, target: Any, pads: torch.Tensor | None
+        self, value: torch.Tensor, output: Any, target: Any, pads: torch.Tensor | None
     ) -> torch.Tensor:
-        """The batch's loss and metrics over its real samples (pads left out), as float64."""
+        """The batch's loss (``value``: float64, shape (1,)) and metrics over its real samples
+        (pads left out), as float64."""
         if pads is not None:
             output, target = _select(_detached(output), ~pads), _select(target, ~pads)
             with torch.no_grad(), self._autocast():
-                loss = self.loss_fn(output, target)
-        loss = loss.detach().double().reshape(1)
-        return torch.cat([loss, self._metric_values(output, target)]) if self.metrics else loss
+                value = self.loss_fn(output, target).detach().double().reshape(1)
+        return torch.cat([value, self._metric_values(output, target)]) if self.metrics else value
 
     def _row(
-        self, trained: list[torch.Tensor], figures: list[torch.Tensor], real: int
+        self, trained: list[torch.Tensor], figures: list[tuple[torch.Tensor, int]], real: int
     ) -> torch.Tensor:
         """This rank's row: [loss trained on, loss and metrics over the real samples, real
-        sample count, signal flag], float64 on the device."""
-        means = sum(figures[1:], figures[0]) / real if real else self._zeros(1 + len(self.metrics))
+        sample count, signal flag], float64 on the device, from each batch's weighted loss
+        (``trained``) and its (figures, real count) where it has real samples."""
+        weighted = [_weighted(values, count / real) for values, count in figures]
+        means = sum(weighted[1:], weighted[0]) if weighted else self._zeros(1 + len(self.metrics))
         tail = torch.tensor(
             [real, bool(self._signal)], dtype=torch.float64, device=self.device
         )
-        return torch.cat([sum(trained[1:], trained[0]).double().reshape(1), means, tail])
+        return torch.cat([sum(trained[1:], trained[0]), means, tail])
 
     def _zeros(self, size: int) -> torch.Tensor:
         return torch.zeros(size, dtype=torch.float64, device=self.device)
@@ -1120,32 +1131,36 @@ def _iterate(loader: DataLoader) -> Iterator[Any]:
         return iter(loader)
 
 
-def _resumed(loader: DataLoader, resume: dict[str, Any], skip: int) -> Iterator[Any]:
-    """``loader``'s batches from batch ``skip`` of the epoch on: from the loader's saved state,
-    from a stream state merged over workers (another world size: the rest is split again), or
+def _resumed(loader: DataLoader, resume: dict[str, Any], skip: int) -> tuple[Iterator[Any], int]:
+    """``loader``'s batches from batch ``skip`` of the epoch on, and the batch this rank is at:
+    from the loader's saved state, from a stream state merged over workers (another world
+    size: the rest is split again, so the rank is at its epoch's batches less those left), or
     by replaying the sampler."""
     if resume.get("dataset") is not None:
+        epoch_batches = len(loader)
         loader.dataset.load_state_dict(resume["dataset"])
-        return _iterate(loader)
+        at = epoch_batches - len(loader)  # before iterating: that starts the pass
+        return _iterate(loader), at
     if resume["loader"] is not None:
         loader.load_state_dict(resume["loader"])
-        return _iterate(loader)
+        return _iterate(loader), skip
     if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
         batches = _iterate(loader)
         for _ in islice(batches, skip):  # no sampler to replay: read and drop
             pass
-        return batches
+        return batches, skip
     # DataLoader draws its worker seed before the sampler draws its order: draw it too, so
     # a sampler on the global generator (RandomSampler) replays the same order.
     torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
     rest = list(islice(iter(loader.batch_sampler), skip, None))
-    return iter(DataLoader(
+    replay = DataLoader(
         loader.dataset, batch_sampler=rest, num_workers=loader.num_workers,
         collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn, generator=loader.generator,
         multiprocessing_context=loader.multiprocessing_context,
         prefetch_factor=loader.prefetch_factor,
-    ))  # fmt: skip
+    )  # fmt: skip
+    return iter(replay), skip
 
 
 def _length(loader: DataLoader) -> int | None:
@@ -1197,6 +1212,12 @@ def _select(batch: Any, keep: torch.Tensor) -> Any:
     if isinstance(batch, (list, tuple)):
         return [value for value, kept in zip(batch, keep.tolist()) if kept]
     return batch
+
+
+def _weighted(value: torch.Tensor, weight: float) -> torch.Tensor:
+    """``value * weight``; ``value`` itself for a weight of 1 (a group of one batch), which saves
+    the step an operation, and the backward a node, for nothing."""
+    return value if weight == 1 else value * weight
 
 
 def _detached(output: Any) -> Any:

@@ -1,8 +1,11 @@
 """streaming_loader and DataLoader workers: exact len(), set_epoch reaching persistent workers
-(fork and spawn, plain DataLoader and StatefulDataLoader), state taken where it is visible."""
+(fork and spawn, plain DataLoader and StatefulDataLoader), state taken where it is visible, no
+warning of torchdata's at a loader's start."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -11,6 +14,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from nnh_data import ShardedStreamingDataset, streaming_loader
+from tests.support import ROOT
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -104,3 +108,29 @@ def test_bad_arguments(tar_shards):
     batches = list(streaming_loader(ds, 2))
     assert [len(b["__index__"]) for b in batches] == [2, 2]
     assert isinstance(batches[0]["__aug__"]["seed"], torch.Tensor)
+
+
+LOADER_RUN = """
+import sys
+from nnh_data import ShardedStreamingDataset, streaming_loader
+
+urls, workers, context = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]
+for epoch in range(2):  # a persistent loader, then a new one: each start
+    ds = ShardedStreamingDataset(urls, seed=0)
+    context_kwargs = {"multiprocessing_context": context} if workers else {}
+    loader = streaming_loader(ds, 4, num_workers=workers, **context_kwargs)
+    print(sum(len(b["__index__"]) for b in loader))
+"""
+
+
+@pytest.mark.parametrize(("workers", "context"), [(0, "-"), (2, "fork"), (2, "spawn")])
+def test_no_torchdata_warning_at_loader_start(tar_shards, workers, context):
+    """torchdata 0.11's StatefulDataLoader calls the deprecated torch.set_vital: not ours to
+    show. Every warning is shown here (-W always), in the main process and the workers."""
+    urls = ",".join(tar_shards([6, 5]))
+    done = subprocess.run(
+        [sys.executable, "-W", "always", "-c", LOADER_RUN, urls, str(workers), context],
+        cwd=ROOT, capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split() == ["11", "11"], done.stderr[-3000:]
+    assert "set_vital" not in done.stderr, done.stderr[-3000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -328,15 +329,19 @@ def test_checkpoints_move_between_plain_and_ddp_compiled_models(reports, folder)
 
 
 @pytest.mark.timeout(200)
-def test_stream_checkpoint_resumes_with_another_world_size(reports, folder, urls):
+def test_stream_checkpoint_resumes_with_another_world_size(reports, folder, urls, capsys):
     seen = reports[0]["stream"] + reports[1]["stream"]
     assert len(seen) == 20  # 2 steps of 5 on each rank
     rest: list = []
     alone = stream_handler(urls, seen=rest)
+    capsys.readouterr()
     with pytest.warns(RuntimeWarning, match="world_size=2, not 1"):
         alone.train(1, resume=os.path.join(folder, "stream.pt"))
     real = sorted(index for index, pad in seen + rest if not pad)
     assert real == list(range(STREAM))  # the rest of the epoch, each sample once
+    # Alone, the epoch is 5 batches and 1 is left: the progress starts at 4 (not at 2, the
+    # batches each of the 2 ranks had done), one line a batch.
+    assert re.findall(r"epoch 1/1 batch (\d+)/5 ", capsys.readouterr().err) == ["5"]
 
 
 @pytest.mark.timeout(200)

@@ -80,3 +80,10 @@ def test_rank_error_pickles_with_its_fields():
 def test_an_outcome_is_frozen():
     with pytest.raises(AttributeError):
         Outcome(True).ok = False  # type: ignore[misc]
+
+
+def test_the_live_exception_is_the_cause_where_there_is_one():
+    live = _raised(ValueError("here"))
+    with pytest.raises(RankError) as info:
+        pickle.loads(pickle.dumps(pack_error(live))).raise_on_failure("failed", 0, live)
+    assert info.value.__cause__ is live
