@@ -44,9 +44,10 @@ def test_not_a_terminal_gives_a_plain_line_every_tenth_of_the_epoch(monkeypatch)
 
 @pytest.mark.parametrize(
     ("options", "expected"),
-    [({"every": 7}, [7, 14]), ({"done": 5}, [8, 12, 16]), ({"total": None}, [])],
+    [({"every": 7}, [7, 14]), ({"done": 5}, [8, 12, 16]), ({"total": None}, []),
+     ({"total": 13, "every": 5}, [5, 10, 13])],
 )  # fmt: skip
-def test_lines_fall_where_the_position_crosses_a_multiple(monkeypatch, options, expected):
+def test_lines_fall_on_multiples_and_the_last_batch(monkeypatch, options, expected):
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     text = shown(monkeypatch, io.StringIO(), 14, **options)  # every 100 without a total
     assert [int(n) for n in re.findall(r"batch (\d+)", text)] == expected
