@@ -386,8 +386,9 @@ class NNHandler(OriginalAPI):
                 :class:`~nnh_train.callbacks.ModelCheckpoint`; with neither, signals keep their
                 usual effect.
             progress_every: when stderr is not a terminal (a Slurm log, a pipe), rank 0 prints a
-                plain progress line every that many batches instead of a tqdm bar; default
-                about ten lines an epoch (:class:`~nnh_train.progress.EpochProgress`).
+                plain progress line every that many batches (and at the epoch's last) instead of a
+                tqdm bar; default about ten lines an epoch
+                (:class:`~nnh_train.progress.EpochProgress`).
             original_options: the original NNHandler's ``train`` options (``use_amp``,
                 ``seed``, ...), honoured or refused by name
                 (:func:`~nnh_train.compat.train_precision`).

@@ -3,7 +3,7 @@
 Design. tqdm redraws its bar with carriage returns. On a terminal that is what one wants; in a
 Slurm log file or a pipe every redraw stays, on one endless line that ``grep`` calls binary.
 So when stderr is not a terminal (nor a notebook, where tqdm draws a widget) progress is one
-plain line every ``every`` batches instead, by default about ten an epoch::
+plain line every ``every`` batches and at the epoch's last, by default about ten an epoch::
 
     epoch 2/5 batch 120/400 loss 0.4312 3.1k samples/s
 
@@ -66,7 +66,8 @@ class EpochProgress:
             self._bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
         started, counted = self._since
         self._since = (started, counted + samples)
-        if self.lines and self.done // self.every > before // self.every:
+        crossed = self.done // self.every > before // self.every
+        if self.lines and (crossed or self.done == self.total):
             self._print(loss)
 
     def _print(self, loss: float) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,17 +27,22 @@ ARGS = ["--device", "cpu", "--epochs", "2", "--batch-size", "32", "--save-every"
 FILES = ("last.pt", "best.pt", "metrics.csv", "loss.png", "accuracy.png")
 
 
-def env() -> dict[str, str]:
-    return {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT)}  # fmt: skip
+def env(progress: bool = False) -> dict[str, str]:
+    """The runs' environment; without ``progress``, no progress lines (``TQDM_DISABLE``)."""
+    base = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    quiet = {} if progress else {"TQDM_DISABLE": "1"}
+    return {**base, **quiet, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
 def torchrun(*args: str) -> list[str]:
     return [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(SCRIPT), *args]
 
 
-def run(command: list[str], timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, env=env(), capture_output=True, text=True, timeout=timeout)
+def run(
+    command: list[str], timeout: float = RUN_TIMEOUT, progress: bool = False
+) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, env=env(progress), capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
     assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stderr[-4000:]}"
     return done
 
@@ -71,16 +77,20 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(data_dir: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """An uninterrupted torchrun run with 2 processes: (run folder, stdout)."""
+def reference(
+    data_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """An uninterrupted torchrun run with 2 processes, as `make demo` runs it, its output piped:
+    (run folder, the finished process)."""
     run_dir = tmp_path_factory.mktemp("reference")
-    done = run(torchrun(*ARGS, "--data-dir", data_dir, "--run-dir", str(run_dir)))
-    return run_dir, done.stdout
+    command = torchrun(*ARGS, "--data-dir", data_dir, "--run-dir", str(run_dir))
+    return run_dir, run(command, progress=True)
 
 
 @pytest.mark.timeout(200)
 def test_torchrun_two_processes_converge_and_write_the_run_folder(reference):
-    run_dir, stdout = reference
+    run_dir, done = reference
+    stdout = done.stdout
     line = next(line for line in stdout.splitlines() if line.startswith("validation accuracy"))
     accuracy, count = float(line.split()[2]), int(line.split()[4])
     assert count == 512  # every validation sample once, pads dropped
@@ -91,6 +101,9 @@ def test_torchrun_two_processes_converge_and_write_the_run_folder(reference):
     assert len(rows) == 3 and rows[0].startswith("epoch,step,train_loss")
     losses = [float(row.split(",")[2]) for row in rows[1:]]
     assert losses[1] < losses[0]
+    # stderr is a pipe: rank 0's plain progress lines, no tqdm carriage returns
+    assert "\r" not in done.stderr
+    assert re.findall(r"^epoch 2/2 batch (\d+)/32 loss ", done.stderr, re.M)[-1] == "32"
 
 
 @pytest.mark.timeout(400)

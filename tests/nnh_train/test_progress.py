@@ -15,6 +15,7 @@ import pytest
 from nnh_train.progress import EpochProgress
 from tests.support import SCRIPTS
 
+LAUNCH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LINE = r"epoch (\d)/3 batch (\d+)/24 loss \S+ \S+ samples/s"
 
 
@@ -43,9 +44,10 @@ def test_not_a_terminal_gives_a_plain_line_every_tenth_of_the_epoch(monkeypatch)
 
 @pytest.mark.parametrize(
     ("options", "expected"),
-    [({"every": 7}, [7, 14]), ({"done": 5}, [8, 12, 16]), ({"total": None}, [])],
+    [({"every": 7}, [7, 14]), ({"done": 5}, [8, 12, 16]), ({"total": None}, []),
+     ({"total": 13, "every": 5}, [5, 10, 13])],
 )  # fmt: skip
-def test_lines_fall_where_the_position_crosses_a_multiple(monkeypatch, options, expected):
+def test_lines_fall_on_multiples_and_the_last_batch(monkeypatch, options, expected):
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     text = shown(monkeypatch, io.StringIO(), 14, **options)  # every 100 without a total
     assert [int(n) for n in re.findall(r"batch (\d+)", text)] == expected
@@ -72,7 +74,8 @@ def test_every_is_checked():
 
 @pytest.mark.timeout(120)
 def test_a_handler_job_piped_prints_plain_lines(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TQDM_", "RANK", "WORLD"))}
+    env = {k: v for k, v in os.environ.items()  # one process, not under a launcher
+           if not k.startswith(("TQDM_", "SLURM_", "TORCHELASTIC_", "PET_")) and k not in LAUNCH}
     done = subprocess.run(
         [sys.executable, str(SCRIPTS / "handler_job.py"), str(tmp_path)], env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=100,
