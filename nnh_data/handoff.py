@@ -32,7 +32,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 import torch
-from torch.utils.data import default_collate, get_worker_info
+from torch.utils.data import get_worker_info
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from nnh_data import batching, shm_ring
 from nnh_data.packed import PackedField
@@ -68,12 +69,54 @@ def collate_samples(samples: Sequence[Any]) -> Any:
 
 def collate_decoded(samples: Sequence[Any]) -> Any:
     """``default_collate`` (what decoding users get), wrapped for the hand-off in a worker."""
-    return handed_out(default_collate(samples))
+    return handed_out(_default_collate(samples))
+
+
+def _default_collate(batch: Sequence[Any]) -> Any:
+    """``torch.utils.data.default_collate``, same output, with tensors of one shape and dtype
+    stacked by numpy in the calling thread. ``torch.stack`` copies through torch's thread pool:
+    for a batch of decoded images (256 x 224x224x3) in a loaded main process that took 0.4-0.5 s
+    of CPU against 0.03 s here, the pool's threads spinning while they wait for a core."""
+    return collate(batch, collate_fn_map=_COLLATE_MAP)
+
+
+def _stacked(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    """``collate_tensor_fn``'s result (in shared memory in a DataLoader worker), copied by
+    numpy where the tensors are CPU tensors of one shape and a dtype numpy knows."""
+    elem = batch[0]
+    if not all(_numpy_stackable(t, elem) for t in batch):
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    shape = (len(batch), *elem.shape)
+    if get_worker_info() is None:
+        out = torch.empty(shape, dtype=elem.dtype)
+    else:  # as collate_tensor_fn: made in shared memory, so the queue sends it without a copy
+        storage = elem._typed_storage()._new_shared(elem.numel() * len(batch), device="cpu")
+        out = elem.new(storage).resize_(shape)
+    np.stack([t.numpy() for t in batch], out=out.numpy())
+    return out
+
+
+def _numpy_stackable(tensor: torch.Tensor, first: torch.Tensor) -> bool:
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.is_nested
+        and not tensor.requires_grad
+        and tensor.dtype == first.dtype
+        and tensor.shape == first.shape
+        and tensor.dtype in _NUMPY_DTYPES
+    )
+
+
+_NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+                           torch.int64, torch.float16, torch.float32, torch.float64})  # fmt: skip
+_COLLATE_MAP = {**default_collate_fn_map, torch.Tensor: _stacked}
 
 
 def _collated(samples: Sequence[Any]) -> Any:
     if not samples or type(samples[0]) is not dict:
-        return default_collate(samples)
+        return _default_collate(samples)
     names = dict.fromkeys(chain.from_iterable(samples))
     return {name: _column(_values(samples, name)) for name in names}
 
@@ -95,14 +138,14 @@ def _column(values: list) -> Any:
         try:
             return PackedField.pack(values)
         except TypeError:
-            return default_collate(values)
+            return _default_collate(values)
     if kind is dict and None not in values:
         return _collated(values)
     if kind in _NUMPY_KIND and first is values[0]:
         array = np.array(values)
         if array.dtype == _NUMPY_KIND[kind]:
             return torch.from_numpy(array)
-    return default_collate(values)
+    return _default_collate(values)
 
 
 def collate_rows(rows: Sequence[tuple[dict[str, Any], int]]) -> dict[str, Any]:

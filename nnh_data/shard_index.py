@@ -331,13 +331,14 @@ def _folder_stats(fs: AbstractFileSystem, folder: str) -> dict[str, tuple[int, s
         items = fs.ls(folder, detail=True)
         return {fs._strip_protocol(i["name"]): (i["size"], file_version(i)) for i in items}
     out = {}
+    prefix = folder if not folder or folder.endswith("/") else folder + "/"  # posixpath.join's
     with os.scandir(folder or ".") as entries:
         for entry in entries:
             try:
                 stat = entry.stat()  # follows links, as fsspec's info does
             except FileNotFoundError:  # a dangling link
                 continue
-            out[posixpath.join(folder, entry.name)] = (stat.st_size, f"mtime={stat.st_mtime}")
+            out[prefix + entry.name] = (stat.st_size, f"mtime={stat.st_mtime}")
     return out
 
 

@@ -35,7 +35,7 @@ from nnh_data.shard_index import (
     build_shard_index,
 )
 from nnh_data.sources import expand_sources, is_local
-from nnh_data.tar_format import BLOCK, ZERO_BLOCK, TarFormatError, parse_samples
+from nnh_data.tar_format import BLOCK, ZERO_BLOCK, Parsed, TarFormatError, parse_samples
 
 __all__ = [
     "ShardError",
@@ -192,20 +192,29 @@ def decode_shard_range(
 
 
 def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> list[dict]:
+    return _parsed_tar(info, buf, start, stop, as_columns=False).samples
+
+
+def _parsed_tar(info: ShardInfo, buf: bytes, start: int, stop: int, as_columns: bool) -> Parsed:
+    """Samples ``[start, stop)`` parsed (:func:`parse_samples`), checked against the index."""
     base = int(info.offsets[start])
     buf, size, offsets = _tar_payload(info, buf, start, stop)
     try:
-        parsed = parse_samples(buf, 0, size)
+        parsed = parse_samples(buf, 0, size, as_columns=as_columns)
     except TarFormatError as exc:
         position = _position(info, start, offsets, exc.offset)
         raise ShardError(info.url, position, exc.reason) from exc
-    if parsed.stop != size or len(parsed.samples) != stop - start:
-        found = f"{len(parsed.samples)} samples ending at byte {base + parsed.stop}"
+    if parsed.columns is None:
+        keys = [sample["__key__"] for sample in parsed.samples]
+    else:
+        keys = parsed.columns["__key__"]
+    if parsed.stop != size or len(keys) != stop - start:
+        found = f"{len(keys)} samples ending at byte {base + parsed.stop}"
         expected = f"{stop - start} ending at byte {base + size}"
         raise StaleIndexError(info.url, _tar_position(info, base), f"found {found}, the index "
                               f"says {expected}")  # fmt: skip
-    _warn_if_split(info, parsed.samples)
-    return parsed.samples
+    _warn_if_split(info, keys)
+    return parsed
 
 
 def _tar_payload(
@@ -248,10 +257,9 @@ def _position(info: ShardInfo, start: int, offsets: np.ndarray, offset: int) -> 
     return _tar_position(info, int(info.offsets[start + i]) + offset - int(starts[i]))
 
 
-def _warn_if_split(info: ShardInfo, samples: list[dict]) -> None:
+def _warn_if_split(info: ShardInfo, keys: list[str]) -> None:
     """Warn when one key names several samples: its members were not stored together (as
     `tar -C dir .` stores files in directory order), so each part is read as a sample."""
-    keys = [sample["__key__"] for sample in samples]
     if len(set(keys)) < len(keys):
         seen: set[str] = set()
         key = next(k for k in keys if k in seen or seen.add(k))
@@ -297,7 +305,8 @@ def decode_shard_columns(
     """
     if info.format == "parquet":
         return dict(payload)
-    return columns_of(_decode_tar(info, payload, start, stop))
+    parsed = _parsed_tar(info, payload, start, stop, as_columns=True)
+    return columns_of(parsed.samples) if parsed.columns is None else parsed.columns
 
 
 def iter_shard_samples(

@@ -35,6 +35,10 @@ from nnh_data.stats import DECODE_NS, RETRIES, Meter
 __all__ = ["SourceReader"]
 
 _READ_BYTES = 8 << 20
+# local tar shards are read in smaller pieces: a read costs no request there, and each worker
+# holds a piece twice while it is parsed (its bytes and their values): 2 MiB instead of 8 MiB
+# took 30-70 MiB off the peak PSS of 2 workers reading 3 KiB samples, at the same CPU per sample
+_LOCAL_TAR_READ_BYTES = 2 << 20
 
 
 class SourceReader:
@@ -155,7 +159,10 @@ class SourceReader:
         return part
 
     def _split(self, shard: int, start: int, stop: int) -> list[tuple[int, int]]:
-        return split_shard_range(self.index.shards[shard], start, stop, max_bytes=_READ_BYTES)
+        info = self.index.shards[shard]
+        small = info.format == "tar" and is_local(info.url)
+        size = _LOCAL_TAR_READ_BYTES if small else _READ_BYTES
+        return split_shard_range(info, start, stop, max_bytes=size)
 
     def _fetch(
         self, fetch: Callable[..., Any], reads: list[int], remote: bool,

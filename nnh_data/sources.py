@@ -10,12 +10,14 @@ its first bytes what it is (gzip, bzip2, xz or zstd compressed, Parquet, tar) fo
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import braceexpand
 from fsspec import AbstractFileSystem
 from fsspec.core import split_protocol, url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from fsspec.utils import get_protocol
 
 __all__ = [
@@ -230,7 +232,17 @@ def shard_filesystem(
     for url in urls:
         if split_protocol(url)[0] != protocol:
             raise ValueError(f"all shards must be on one filesystem, got {urls[0]!r} and {url!r}")
+    if isinstance(fs, LocalFileSystem) and os.sep == "/":
+        return fs, [_local_path(fs, url) for url in urls]
     return fs, [fs._strip_protocol(url) for url in urls]
+
+
+def _local_path(fs: LocalFileSystem, url: str) -> str:
+    """``fs._strip_protocol(url)``: for an absolute POSIX path that is the path without its
+    trailing slashes, at a fifth of a microsecond instead of two (10,000 shards: 21 ms)."""
+    if url.startswith("/"):
+        return url.rstrip("/") or "/"
+    return fs._strip_protocol(url)
 
 
 def is_local(url: str) -> bool:

@@ -96,6 +96,9 @@ class Parsed(NamedTuple):
     key: str | None  # the key of the last sample, to carry into the next block
     stop: int  # where parsing stopped: the next header to read (or the end-of-archive marker)
     end: bool  # True when the end-of-archive marker was reached
+    # with ``as_columns``, the samples as columns by field (``samples`` then empty) when they all
+    # have the first one's fields in its order, as :func:`nnh_data.batching.columns_of` makes
+    columns: dict[str, list] | None = None
 
 
 def split_name(path: str) -> tuple[str | None, str]:
@@ -115,7 +118,13 @@ def split_name(path: str) -> tuple[str | None, str]:
 
 
 def parse_samples(
-    buf: bytes, pos: int, limit: int, *, need_data: bool = True, key: str | None = None
+    buf: bytes,
+    pos: int,
+    limit: int,
+    *,
+    need_data: bool = True,
+    key: str | None = None,
+    as_columns: bool = False,
 ) -> Parsed:
     """Parse the members in ``buf`` from ``pos`` up to ``limit`` (or the end-of-archive marker)
     and group them into samples ``{"__key__": key, field: bytes, ...}``.
@@ -125,7 +134,9 @@ def parse_samples(
     Parsing stops early at the first header (or, with ``need_data``, member data) that lies
     beyond ``buf``; ``stop`` then points at the headers of that member, so the caller can read
     on from there (``stop`` may lie beyond ``buf`` when data is skipped). Raises
-    :class:`TarFormatError` on a bad header or a field repeated within a sample.
+    :class:`TarFormatError` on a bad header or a field repeated within a sample. With
+    ``as_columns`` samples of the usual layout come as ``columns`` instead of dicts (no dict per
+    sample to build and take apart again).
 
     Blocks of plain ustar files take a vectorised path (:func:`parse_plain`); anything else
     (PAX or GNU headers, directories, unusual names, errors) the exact member loop
@@ -134,7 +145,7 @@ def parse_samples(
     >>> parse_samples(tar_bytes, 0, len(tar_bytes)).samples  # doctest: +SKIP
     [{'__key__': '000000', 'cls': b'3', 'jpg': b'...'}, ...]
     """
-    plain = parse_plain(buf, pos, limit, need_data, key)
+    plain = parse_plain(buf, pos, limit, need_data, key, as_columns)
     if plain is not None:
         return plain
     return parse_samples_loop(buf, pos, limit, need_data=need_data, key=key)
@@ -307,7 +318,7 @@ def header_blocks(buf: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 
 def parse_plain(
-    buf: bytes, pos: int, limit: int, need_data: bool, key: str | None
+    buf: bytes, pos: int, limit: int, need_data: bool, key: str | None, as_columns: bool = False
 ) -> Parsed | None:
     """:func:`parse_samples` for a block of plain ustar files named ``key.field``, with numpy
     and C-level maps instead of a loop over members; None when the block holds anything else
@@ -341,11 +352,13 @@ def parse_plain(
     values = None
     if need_data:
         values = list(map(buf.__getitem__, map(slice, data.tolist(), ends.tolist())))
-    grouped = _group(text, count, key, values)
+    grouped = _group(text, count, key, values, as_columns)
     if grouped is None:
         return None
     firsts, samples, key = grouped
     starts = (heads[:count][firsts] * BLOCK).tolist()
+    if isinstance(samples, dict):
+        return Parsed(starts, [], key, stop, end, samples)
     return Parsed(starts, samples, key, stop, end)
 
 
@@ -424,15 +437,16 @@ def _name_text(rows: np.ndarray) -> str:
 
 
 def _group(
-    text: str, count: int, key: str | None, values: list[bytes] | None
-) -> tuple[list[int], list[dict], str | None] | None:
+    text: str, count: int, key: str | None, values: list[bytes] | None, as_columns: bool = False
+) -> tuple[list[int], list[dict] | dict[str, list], str | None] | None:
     """Group members (their names in ``text``, their data in ``values`` when read) into
     samples: the members that start one, the samples and the last key; None when the exact loop
     must decide (a name that is not plain ``key.field``, a field repeated within a sample).
 
     Whole samples with the fields of the first one, in the same order (the usual layout), take
     one regular expression match each; members that continue the sample before ``text`` (key
-    ``key``) and those after the last such sample go one by one."""
+    ``key``) and those after the last such sample go one by one. With ``as_columns``, samples
+    that are all whole come as columns (a dict of lists by name)."""
     head, head_end = _continuing(text, key)
     body = text[head_end:]
     fields = _first_fields(body)
@@ -456,6 +470,8 @@ def _group(
     samples = []
     if values is not None:
         columns = [values[j:done:width] for j in range(head, head + width)]
+        if as_columns and not head and done == count:
+            return firsts, dict(zip(names, [keys, *columns])), tail[2]
         samples = rows_of(names, [keys, *columns])
     return firsts, samples + tail[1], tail[2]
 

@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from nnh_data import PackedField, ShardedStreamingDataset, Source, streaming_loader
-from nnh_data.handoff import BY_VALUE_BYTES, collate_samples, handed_out, tensor_columns
+from nnh_data.handoff import (
+    BY_VALUE_BYTES,
+    collate_decoded,
+    collate_samples,
+    handed_out,
+    tensor_columns,
+)
 from nnh_data.shards import build_shard_index
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -174,3 +180,34 @@ def test_loader_view_is_the_dataset(tar_shards):
     assert ds.epoch == 3 and loader.dataset.seed == 0 and len(loader.dataset) == len(ds)
     with pytest.raises(ValueError, match="per-sample datasets without decode"):
         ShardedStreamingDataset(tar_shards([5]), batch_size=2).loader_view()
+
+
+def decoded_samples(i: int) -> list[dict]:
+    """Decoded samples as a decode function returns them: tensors of several dtypes and
+    layouts (a transposed view, bfloat16 which numpy lacks), a numpy array, a number."""
+    g = torch.Generator().manual_seed(i)
+    return [
+        {"image": torch.randint(0, 256, (4, 5, 3), dtype=torch.uint8, generator=g),
+         "t": torch.randn(3, 2, generator=g).T, "half": torch.ones(2, dtype=torch.bfloat16) * j,
+         "array": torch.randn(2, generator=g).numpy(), "cls": j}
+        for j in range(3)
+    ]  # fmt: skip
+
+
+class Decoded(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return decoded_samples(i)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_collate_decoded_is_default_collate(workers):
+    loader = DataLoader(Decoded(), batch_size=None, num_workers=workers,
+                        collate_fn=collate_decoded)  # fmt: skip
+    got = list(loader)
+    assert [plain(b) for b in got] == [plain(default_collate(decoded_samples(i))) for i in range(2)]
+    assert all(b["image"].dtype == torch.uint8 and b["t"].shape == (3, 2, 3) for b in got)
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        collate_decoded([{"x": torch.zeros(2)}, {"x": torch.zeros(3)}])

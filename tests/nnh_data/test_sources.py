@@ -51,6 +51,13 @@ def test_formats():
         detect_format("x.tar", "zip")
 
 
+def test_local_paths_are_fsspecs():
+    for urls in (["/d/x.tar", "/d/y.tar/", "/", "//d//z.tar", "/d/./w.tar", "rel/x.tar"],
+                 ["file:///d/v.tar", "file://rel/u.tar"]):  # fmt: skip
+        fs, paths = shard_filesystem(urls)
+        assert paths == [fs._strip_protocol(url) for url in urls]
+
+
 def test_one_filesystem_per_source():
     fs, paths = shard_filesystem(["memory://a/x.tar", "memory://a/y.tar"])
     assert "memory" in fs.protocol and paths == ["/a/x.tar", "/a/y.tar"]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import io
 import tarfile
 
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
 from nnh_data import tar_format
+from nnh_data.batching import columns_of
 from nnh_data.tar_format import (
     BLOCK,
     Parsed,
@@ -203,6 +205,31 @@ def test_fast_path_takes_plain_archives_and_matches_webdataset(archive):
     parsed = parse_plain(buf, 0, len(buf), True, None)  # not a fall back to the loop
     assert parsed is not None and parsed.end
     assert parsed.samples == webdataset_samples(buf)
+
+
+@settings(max_examples=200, deadline=None)
+@given(archives(), st.data())
+def test_columns_are_the_samples_as_columns(archive, data):
+    members, form = archive
+    buf = tar_bytes(members, format=form)
+    pos = BLOCK * data.draw(st.integers(0, len(buf) // BLOCK)) if data.draw(st.booleans()) else 0
+    key = data.draw(st.sampled_from([None, *KEYS]))
+    rows = outcome(parse_samples, buf, pos, len(buf), True, key)
+    got = outcome(functools.partial(parse_samples, as_columns=True), buf, pos, len(buf), True, key)
+    if isinstance(got, Parsed) and got.columns is not None:
+        assert got.samples == [] and got.columns == columns_of(rows.samples)
+        assert list(got.columns) == list(columns_of(rows.samples))  # the fields' order
+        got = got._replace(samples=rows.samples, columns=None)
+    assert got == rows
+
+
+def test_plain_samples_come_as_columns():
+    members = [(f"{i // 2:04d}.{ext}", bytes([i]) * i) for i, ext in enumerate(["b", "a"] * 4)]
+    parsed = parse_plain(tar_bytes(members, format=tarfile.USTAR_FORMAT), 0, 10**6, True, None,
+                         as_columns=True)  # fmt: skip
+    assert parsed.columns == {"__key__": ["0000", "0001", "0002", "0003"],
+                              "b": [bytes([i]) * i for i in (0, 2, 4, 6)],
+                              "a": [bytes([i]) * i for i in (1, 3, 5, 7)]}  # fmt: skip
 
 
 def test_fast_path_in_pieces_carries_keys_like_the_member_loop():

@@ -12,15 +12,17 @@ DataLoader``):
 - ``small_w0`` / ``small_w2``: samples/s over one epoch of ``--samples`` samples (a 3 KiB
   payload and an int label) with 0 and 2 DataLoader workers, the workers' start included, and
   the CPU time per sample of all the processes (``_cpu_us_per_row``: on a shared machine the
-  steadier figure). Each run also reports the main process's CPU time per batch and the bytes
-  the first batch takes pickled in the main process (``ForkingPickler``: tensors as
-  shared-memory handles, other values by value; what a worker sends is about that much for the
-  peers, and for nnh only a slot number and the arrays' places).
+  steadier figure). Each run also reports the main process's CPU time per batch and, with
+  workers, the bytes the workers pickled into their queues per batch (counted by a
+  ``ForkingPickler`` the workers inherit: torch sends a tensor as a shared-memory handle, other
+  values by value; nnh sends its small columns through its shared-memory ring, so only their
+  places).
 - ``peak_pss_mib``: the largest sum of the proportional set sizes of a ``small_w2`` run's
   processes (main and workers), sampled every 50 ms from outside.
 - ``first_batch_s``: seconds from building the dataset (after the imports) to the first batch
   with 0 workers, on 10,000 shards of 10 samples (nnh finds its index sidecar on disk, as a
-  training job after the first does).
+  training job after the first does), and the CPU seconds of that (``first_batch_cpu_s``, all
+  threads: on a loaded machine the wall time mostly measures the wait for a core).
 - ``jpeg_w0`` / ``jpeg_w2``: images/s over ``--images`` 224x224 JPEGs, every system running the
   same PIL decode (:func:`decode_jpeg`) per sample and the same default collate (nnh: its
   ``decode=``, which ``streaming_loader`` collates with ``default_collate``).
@@ -277,33 +279,57 @@ def rows_of(batch) -> int:
     return len(batch["cls"] if isinstance(batch, dict) else batch[1])
 
 
+def count_worker_messages():
+    """Counters of the bytes and messages DataLoader workers pickle into their queues: a
+    ``ForkingPickler`` that counts, installed before the workers fork (they inherit it and the
+    shared counters)."""
+    import multiprocessing
+    import multiprocessing.queues as queues
+
+    from torch.utils.data import get_worker_info
+
+    counts = multiprocessing.Array("q", 2)  # bytes, messages
+    base = queues._ForkingPickler
+
+    class Counting(base):
+        @classmethod
+        def dumps(cls, obj, protocol=None):
+            data = base.dumps(obj, protocol)
+            if get_worker_info() is not None:
+                with counts.get_lock():
+                    counts[0] += len(data)
+                    counts[1] += 1
+            return data
+
+    queues._ForkingPickler = Counting
+    return counts
+
+
 def run_epoch(system: str, folder: str, workers: int, jpeg: bool) -> dict:
-    """One epoch: rows/s, the main process's CPU per batch and one batch's pickled bytes."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor pickling
-
+    """One epoch: rows/s, CPU per row, the main process's CPU per batch and (with workers) the
+    bytes the workers pickled per batch."""
+    counts = count_worker_messages()
     loader = loader_of(system, folder, workers, jpeg)
     rows = batches = 0
-    first = None
     start, cpu = time.perf_counter(), time.process_time()
     for batch in loader:
         rows += rows_of(batch)
         batches += 1
-        first = batch if first is None else first
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    pickled = len(ForkingPickler.dumps(first))
-    del loader, batch, first  # the workers end and are waited for: their CPU time is counted
+    del loader, batch  # the workers end and are waited for: their CPU time is counted
     gc.collect()
-    workers = os.times().children_user + os.times().children_system
-    return {"rate": rows / seconds, "rows": rows, "main_cpu_ms_per_batch": 1e3 * cpu / batches,
-            "cpu_us_per_row": 1e6 * (cpu + workers) / rows, "pickled_bytes_per_batch": pickled}
+    workers_cpu = os.times().children_user + os.times().children_system
+    out = {"rate": rows / seconds, "rows": rows, "main_cpu_ms_per_batch": 1e3 * cpu / batches,
+           "cpu_us_per_row": 1e6 * (cpu + workers_cpu) / rows}  # fmt: skip
+    if workers:
+        out["pickled_bytes_per_batch"] = counts[0] / batches
+    return out
 
 
 def run_first_batch(system: str, folder: str) -> dict:
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     next(iter(loader_of(system, folder, 0, False)))
-    return {"seconds": time.perf_counter() - start}
+    return {"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu}
 
 
 def child(system: str, case: str, folder: str) -> None:
@@ -383,7 +409,8 @@ def folder_of(data: str, system: str, case: str, args: argparse.Namespace) -> st
 def figures_of(case: str, result: dict) -> dict[str, tuple[float, bool]]:
     """The figures a run gives, each with whether higher is better."""
     if case == "first_batch":
-        return {"first_batch_s": (result["seconds"], False)}
+        return {"first_batch_s": (result["seconds"], False),
+                "first_batch_cpu_s": (result["cpu_seconds"], False)}  # fmt: skip
     out = {case: (result["rate"], True),
            f"{case}_cpu_us_per_row": (result["cpu_us_per_row"], False)}  # fmt: skip
     if "peak_pss_mib" in result:
