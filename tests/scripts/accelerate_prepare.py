@@ -65,6 +65,9 @@ def run(case: str, source: str) -> dict:
 def main(source: str) -> None:
     for case in ("dispatch", "shard", "shard_wrapped", "cached"):
         os.write(1, (json.dumps(run(case, source)) + "\n").encode())  # one write per line
+    # the group torn down before exit, as Accelerate asks: left to interpreter exit, gloo can
+    # abort the process ("terminate called without an active exception")
+    Accelerator(cpu=True).end_training()
 
 
 if __name__ == "__main__":
