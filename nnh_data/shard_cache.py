@@ -1364,17 +1364,18 @@ class _PlanState:
         return out
 
 
-_WARNED: set[tuple[int, str]] = set()  # (pid, what) warned about
+_WARNED: set[tuple[int, str, str]] = set()  # (pid, what, cache folder) warned about
 
 
 def _read_around(cache: ShardCache, failure: OSError | None = None) -> None:
     """Count a read that goes around the cache (it has no room, or its folder ``failure``);
-    warn once per process."""
+    warn once per process and cache folder."""
     _Counters.of(cache._folder("stats")).add("around")
     if failure is not None:
         _warn_local(cache, failure)
         return
     _warn_once(
+        cache,
         "small",
         f"the shard cache in {cache.cache_dir!r} is smaller than what its readers need at "
         "once (live workers x (1 + prefetch) shards, within cache_limit and the free disk): "
@@ -1383,17 +1384,19 @@ def _read_around(cache: ShardCache, failure: OSError | None = None) -> None:
 
 
 def _warn_local(cache: ShardCache, exc: OSError) -> None:
-    """Warn, once per process, that the cache folder failed and reads go around it."""
+    """Warn, once per process and folder, that the cache folder failed and reads go around it."""
     _warn_once(
+        cache,
         "local",
         f"the shard cache in {cache.cache_dir!r} failed on this node ({exc}): reading the "
         "shards it cannot hold from the remote directly",
     )
 
 
-def _warn_once(what: str, message: str) -> None:
-    if (os.getpid(), what) not in _WARNED:
-        _WARNED.add((os.getpid(), what))
+def _warn_once(cache: ShardCache, what: str, message: str) -> None:
+    key = (os.getpid(), what, str(cache.cache_dir))
+    if key not in _WARNED:
+        _WARNED.add(key)
         warnings.warn(message, stacklevel=4)
 
 
