@@ -19,14 +19,17 @@ without a byte), so a stalled request counts as one failed attempt.
 
 from __future__ import annotations
 
+import os
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fsspec import AbstractFileSystem
+from fsspec.asyn import AsyncFileSystem
 from fsspec.core import url_to_fs
-from fsspec.utils import get_protocol
+from fsspec.utils import get_protocol, tokenize
 
 from nnh_data.shard_index import ShardError, StaleIndexError
 
@@ -102,12 +105,35 @@ def _named(exc: Exception, url: str, position: str, attempts: int, seconds: floa
 
 def remote_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[AbstractFileSystem, str]:
     """``url_to_fs(url, **storage_options)`` for reading shards under :func:`retrying`:
-    ``s3://`` without s3fs's and botocore's own retries unless the options set them."""
+    ``s3://`` without s3fs's and botocore's own retries unless the options set them.
+
+    An async filesystem (s3, gcs, http: its calls run on fsspec's one IO loop) is opened once per
+    process and shared by its threads; fsspec's own cache keeps one per thread, and opening one
+    (a new botocore session for s3) cost 0.1-0.4 s of a reader's first sample per thread."""
     options = dict(storage_options or {})
     ours = get_protocol(url) in ("s3", "s3a") and "retries" not in options.get("config_kwargs", {})
     if ours:
-        options["config_kwargs"] = {**options.get("config_kwargs", {}), "retries": _NO_RETRIES}
+        retries = dict(_NO_RETRIES)  # a copy: botocore adds "mode" to the dict it is given
+        options["config_kwargs"] = {**options.get("config_kwargs", {}), "retries": retries}
+    if "::" in url:  # a chain: fsspec's own cache
+        return _opened(url, options, ours)
+    key = (os.getpid(), get_protocol(url), tokenize(options))
+    with _SHARED_LOCK:  # threads starting together open one
+        fs = _SHARED.get(key)
+        if fs is None:
+            fs, path = _opened(url, options, ours)
+            if not isinstance(fs, AsyncFileSystem):
+                return fs, path
+            _SHARED[key] = fs
+    return fs, fs._strip_protocol(url)
+
+
+def _opened(url: str, options: dict[str, Any], ours: bool) -> tuple[AbstractFileSystem, str]:
     fs, path = url_to_fs(url, **options)
     if ours:
         fs.retries = 1  # s3fs's own loop; this instance is only ever opened with these options
     return fs, path
+
+
+_SHARED: dict[tuple[int, str, str], AbstractFileSystem] = {}  # (pid, protocol, options) -> fs
+_SHARED_LOCK = threading.Lock()

@@ -4,6 +4,7 @@ are, what the final error says, and the s3 options that turn the library's own r
 from __future__ import annotations
 
 import errno
+import threading
 
 import pytest
 
@@ -131,3 +132,23 @@ def test_remote_fs_turns_off_the_s3_library_retries_unless_set():
     assert "config_kwargs" not in options and "retries" not in own  # the caller's untouched
     fs, path = remote_fs("memory://a/b.tar", None)
     assert path == "/a/b.tar" and not hasattr(fs, "config_kwargs")
+
+
+def test_remote_fs_opens_one_s3_filesystem_per_process_for_all_its_threads(moto_s3):
+    """Opening one is a botocore session (0.1-0.4 s of a first sample); fsspec keeps one per
+    thread, and botocore adds "mode" to the retries dict it is given, which changed the options'
+    token after the first read."""
+    bucket = moto_s3.bucket("fs")
+    fs, path = remote_fs(f"{bucket}/a.tar", moto_s3.storage_options)
+    fs.pipe_file(path, b"abc")
+    assert fs.cat_file(path) == b"abc"  # the client exists: botocore has seen the options
+    others: list = []
+    thread = threading.Thread(target=lambda: others.append(remote_fs(f"{bucket}/b.tar",
+                                                                     moto_s3.storage_options)))
+    thread.start()
+    thread.join()
+    (other, other_path), (again, _) = others[0], remote_fs(f"{bucket}/a.tar",
+                                                           moto_s3.storage_options)
+    assert other is fs and again is fs and other_path == path[:-5] + "b.tar"
+    local, _ = remote_fs("memory://a/b.tar", None)  # not async: fsspec's own cache
+    assert local is not fs
