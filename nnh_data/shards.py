@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
+from fsspec.implementations.local import LocalFileSystem
 
 from nnh_data.batching import Columns, as_list, columns_of, rows_of
 from nnh_data.checks import check_int
@@ -104,6 +105,7 @@ class ShardReader:
         self.storage_options, self.nullable, self.arrow = storage_options, nullable, arrow
         self._parquet = ParquetReader(storage_options, nullable, arrow)
         self._failed: dict[str, ShardError] = {}  # remote shards whose reads gave up
+        self._local: tuple[str, BinaryIO | None] | None = None  # the tar shard being read
 
     def fetch(
         self, info: ShardInfo, start: int, stop: int, file: BinaryIO | None = None
@@ -138,6 +140,7 @@ class ShardReader:
         if low == end:
             return b""
         try:
+            file = file or self._local_file(info.url)
             if file is not None:
                 data = os.pread(file.fileno(), end - low, low)
             else:
@@ -150,9 +153,28 @@ class ShardReader:
             raise ShardError(info.url, position, "truncated tar (unexpected end of file)")
         return data
 
+    def _local_file(self, url: str) -> BinaryIO | None:
+        """The tar shard at ``url`` opened, when it is a file on the local disk (kept open
+        while its blocks are read: no open, seek and close per block); else None."""
+        if self._local is None or self._local[0] != url:
+            self._let_go_of_local()
+            fs, path = remote_fs(url, self.storage_options)
+            self._local = url, open(path, "rb") if isinstance(fs, LocalFileSystem) else None
+        return self._local[1]
+
+    def _let_go_of_local(self) -> None:
+        local, self._local = self._local, None
+        if local is not None and local[1] is not None:
+            local[1].close()
+
     def close(self) -> None:
         """Let go of open files."""
         self._parquet.close()
+        self._let_go_of_local()
+
+    def __del__(self) -> None:  # a pass's reader is dropped, not closed: its shard goes with it
+        if getattr(self, "_local", None) is not None:
+            self._let_go_of_local()
 
 
 def fetch_shard_range(
@@ -174,7 +196,11 @@ def fetch_shard_range(
     not match its index. To read many ranges, keep one :class:`ShardReader` (it keeps a
     Parquet file open between reads).
     """
-    return ShardReader(storage_options, nullable).fetch(info, start, stop)
+    reader = ShardReader(storage_options, nullable)
+    try:
+        return reader.fetch(info, start, stop)
+    finally:
+        reader.close()
 
 
 def decode_shard_range(
