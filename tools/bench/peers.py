@@ -26,6 +26,9 @@ DataLoader``):
 - ``jpeg_w0`` / ``jpeg_w2``: images/s over ``--images`` 224x224 JPEGs, every system running the
   same PIL decode (:func:`decode_jpeg`) per sample and the same default collate (nnh: its
   ``decode=``, which ``streaming_loader`` collates with ``default_collate``).
+- ``jpeg_decode_cpu_us_per_row``: that decode alone, the same images in a loop in a fresh
+  process, once per round: the floor of every system's CPU per image. ``ceiling_vs_<peer>``
+  (peer's CPU per image over it) is the most any system running this decode could lead by.
 
 nnh's tar samples hold bytes (the label too: ``b"17"``); nnh reads them without a ``decode``, as
 a ``PackedField`` per field. The peers' labels are ints.
@@ -326,6 +329,15 @@ def run_epoch(system: str, folder: str, workers: int, jpeg: bool) -> dict:
     return out
 
 
+def run_decode_only(count: int) -> dict:
+    """:func:`decode_jpeg` alone on ``count`` images of the pool: the floor of the JPEG cases."""
+    pool = jpeg_pool()
+    cpu = time.process_time()
+    for i in range(count):
+        decode_jpeg(pool[i % len(pool)])
+    return {"cpu_us_per_row": 1e6 * (time.process_time() - cpu) / count}
+
+
 def run_first_batch(system: str, folder: str) -> dict:
     start, cpu = time.perf_counter(), time.process_time()
     next(iter(loader_of(system, folder, 0, False)))
@@ -347,6 +359,8 @@ def child(system: str, case: str, folder: str) -> None:
         import nnh_data  # noqa: F401
     if case == "first_batch":
         out = run_first_batch(system, folder)
+    elif case == "jpeg_decode":
+        out = run_decode_only(int(folder))  # the image count, for this case
     else:
         out = run_epoch(system, folder, int(case[-1]), case.startswith("jpeg"))
     print(json.dumps(out))
@@ -408,6 +422,8 @@ def folder_of(data: str, system: str, case: str, args: argparse.Namespace) -> st
 
 def figures_of(case: str, result: dict) -> dict[str, tuple[float, bool]]:
     """The figures a run gives, each with whether higher is better."""
+    if case == "jpeg_decode":
+        return {"jpeg_decode_cpu_us_per_row": (result["cpu_us_per_row"], False)}
     if case == "first_batch":
         return {"first_batch_s": (result["seconds"], False),
                 "first_batch_cpu_s": (result["cpu_seconds"], False)}  # fmt: skip
@@ -435,6 +451,13 @@ def summary(results: dict, systems: list[str]) -> dict:
             per_round = [n / p if higher else p / n for n, p in pairs if n and p]
             ratios[f"{name}:nnh_vs_{system}"] = [round(min(per_round), 2),
                                                  round(max(per_round), 2)]  # fmt: skip
+    floor = figures.get("jpeg_decode_cpu_us_per_row", {}).get("decode")
+    for case in ("jpeg_w0", "jpeg_w2"):
+        for system, cpu in figures.get(f"{case}_cpu_us_per_row", {}).items():
+            if floor and system != "nnh":
+                per_round = [c / f for c, f in zip(cpu, floor)]
+                ratios[f"{case}_cpu_us_per_row:ceiling_vs_{system}"] = [
+                    round(min(per_round), 2), round(max(per_round), 2)]  # fmt: skip
     return {"ratios": ratios, "figures": figures}
 
 
@@ -447,6 +470,11 @@ def run_rounds(data: str, args: argparse.Namespace) -> tuple[dict, dict]:
     details: dict = {}
     for r in range(args.rounds):
         turn = args.systems[r % len(args.systems) :] + args.systems[: r % len(args.systems)]
+        if "jpeg" in args.cases:
+            result = run_child("decode", "jpeg_decode", str(args.images), watch_pss=False)
+            print(f"round {r} jpeg_decode: {result}", file=sys.stderr)
+            for name, figure in figures_of("jpeg_decode", result).items():
+                results.setdefault((name, "decode"), []).append(figure)
         for case in cases:
             for system in turn:
                 if case.startswith("jpeg") and system.endswith("_tar"):
