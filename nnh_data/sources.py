@@ -213,6 +213,9 @@ def detect_format(url: str, format: str | None = None) -> str:
         if format not in FORMATS:
             raise ValueError(f"format must be one of 'tar', 'parquet' or None, got {format!r}")
         return format
+    found = _EXTENSIONS.get(url[url.rfind(".") :].lower())  # at a third of the cost below
+    if found is not None:
+        return found
     name = url.rsplit("/", 1)[-1].lower()
     if name.endswith(_COMPRESSED):
         raise ValueError(
@@ -254,9 +257,13 @@ def shard_filesystem(
     """The one filesystem of ``urls`` and their paths on it."""
     fs, _ = url_to_fs(urls[0], **(storage_options or {}))
     protocol = split_protocol(urls[0])[0]
-    for url in urls:
-        if split_protocol(url)[0] != protocol:
-            raise ValueError(f"all shards must be on one filesystem, got {urls[0]!r} and {url!r}")
+    # plain paths need no split_protocol each (what it looks for: "://" or "data:")
+    if protocol is not None or any("://" in url or url.startswith("data:") for url in urls):
+        for url in urls:
+            if split_protocol(url)[0] != protocol:
+                raise ValueError(
+                    f"all shards must be on one filesystem, got {urls[0]!r} and {url!r}"
+                )
     if isinstance(fs, LocalFileSystem) and os.sep == "/":
         return fs, [_local_path(fs, url) for url in urls]
     return fs, [fs._strip_protocol(url) for url in urls]
