@@ -177,7 +177,7 @@ class ShardIndex:
     shards: tuple[ShardInfo, ...]
     path: str | None = None
 
-    @property
+    @cached_property
     def total_samples(self) -> int:
         """The number of samples in all shards."""
         return sum(info.num_samples for info in self.shards)
@@ -185,7 +185,7 @@ class ShardIndex:
     def fingerprint(self) -> str:
         """A short hash of what defines the sample order and ids: each shard's file name and
         sample count, in order (not the folder, so a copied data set keeps it)."""
-        names = [(info.url.rsplit("/", 1)[-1], info.num_samples) for info in self.shards]
+        names = [(i.url[i.url.rfind("/") + 1 :], i.num_samples) for i in self.shards]
         return hashlib.sha256(json.dumps(names).encode()).hexdigest()[:16]
 
     def offsets(self) -> np.ndarray:
