@@ -325,13 +325,8 @@ def file_stats(
     entries = entries or [None] * len(paths)
     listed = {p: (e["size"], file_version(e)) for p, e in zip(paths, entries) if e is not None}
     unlisted = [p for p in paths if p not in listed]
-    if isinstance(fs, LocalFileSystem):
-        listed.update(_local_stats(unlisted))
-    for folder in () if isinstance(fs, LocalFileSystem) else _folders(unlisted):
-        try:
-            listed.update(_folder_stats(fs, folder))
-        except FileNotFoundError:
-            continue
+    local = isinstance(fs, LocalFileSystem)
+    listed.update(_local_stats(unlisted) if local else _remote_stats(fs, unlisted))
     missing = [p for p in paths if p not in listed]
     if missing:
         raise FileNotFoundError(
@@ -341,10 +336,18 @@ def file_stats(
     return [listed[p] for p in paths]
 
 
-def _folders(paths: Sequence[str]) -> list[str]:
-    """The distinct folders of ``paths`` (``posixpath.dirname``, taken once per folder)."""
+def _remote_stats(fs: AbstractFileSystem, paths: Sequence[str]) -> dict[str, tuple[int, str]]:
+    """``(size, version)`` of each file in the folders of ``paths``, by path: one listing per
+    folder (``posixpath.dirname`` taken once per folder, not per path)."""
     heads = dict.fromkeys(path[: path.rfind("/") + 1] for path in paths)
-    return list(dict.fromkeys(map(posixpath.dirname, heads)))
+    out = {}
+    for folder in dict.fromkeys(map(posixpath.dirname, heads)):
+        try:
+            items = fs.ls(folder, detail=True)
+        except FileNotFoundError:
+            continue
+        out.update({fs._strip_protocol(i["name"]): (i["size"], file_version(i)) for i in items})
+    return out
 
 
 def _local_stats(paths: Sequence[str]) -> dict[str, tuple[int, str]]:
@@ -360,12 +363,6 @@ def _local_stats(paths: Sequence[str]) -> dict[str, tuple[int, str]]:
             continue
         out[path] = (stat.st_size, f"mtime={stat.st_mtime}")
     return out
-
-
-def _folder_stats(fs: AbstractFileSystem, folder: str) -> dict[str, tuple[int, str]]:
-    """``(size, version)`` of each file in the remote ``folder`` by path, from one listing."""
-    items = fs.ls(folder, detail=True)
-    return {fs._strip_protocol(i["name"]): (i["size"], file_version(i)) for i in items}
 
 
 _SCAN_BLOCK = 1 << 20

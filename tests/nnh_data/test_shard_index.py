@@ -161,7 +161,7 @@ def test_a_damaged_shard_is_recorded_in_the_sidecar_and_reported_again(tar_shard
 
 
 def test_local_stats_are_what_the_fsspec_listing_gives(tmp_path):
-    """file_stats lists a local folder with os.scandir: the same sizes and versions as
+    """file_stats stats local files with os.stat: the same sizes and versions as
     fsspec's listing (links followed), so sidecars written either way keep matching."""
     import os
 
