@@ -99,7 +99,7 @@ class SourceReader:
             cached = CachedPass(self.cache, reader, self.index.shards, list(blocks), upcoming,
                                 prefetch=self.cache_prefetch, num_workers=num_workers)  # fmt: skip
             blocks, fetch = cached.blocks(), cached.fetch
-        elif "://" not in self.index.shards[0].url:  # shards on local paths
+        elif _plain_path(self.index.shards[0].url):
             fetch = functools.partial(_read_in_place, reader.fetch)
         remote = not is_local(self.index.shards[0].url)
         read = functools.partial(self._fetch, fetch, meter.reads(), remote, cached)
@@ -228,6 +228,11 @@ def _read_in_place(fetch: Callable[..., Any], info: ShardInfo, start: int, stop:
         return fetch(info, start, stop)
     with file:
         return fetch(info, start, stop, file)
+
+
+def _plain_path(url: str) -> bool:
+    """True for a local path that fsspec would open as it is (no protocol, no ``~`` to expand)."""
+    return "://" not in url and not url.startswith("~")
 
 
 def _nbytes(info: ShardInfo, payload: object, start: int, stop: int) -> int:
