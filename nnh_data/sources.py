@@ -112,7 +112,7 @@ def _expanded(pattern: str) -> list[str]:
 
 def _range_names(pattern: str) -> list[str] | None:
     """``braceexpand``'s names of a pattern whose one brace group is an integer range
-    (``s-{000000..009999}.tar``) at a tenth of its cost (10,000 names: 1.5 ms instead of 15),
+    (``s-{000000..009999}.tar``) at a seventh of its cost (10,000 names: 2 ms instead of 14),
     else None."""
     head, _, rest = pattern.partition("{")
     expr, _, tail = rest.partition("}")
