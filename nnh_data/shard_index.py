@@ -25,7 +25,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from functools import cached_property
 from typing import Any
 
@@ -150,6 +150,9 @@ class ShardInfo:
         return offsets
 
 
+_INFO_DEFAULTS = {f.name: f.default for f in fields(ShardInfo) if f.default is not MISSING}
+
+
 def encode_offsets(offsets: Sequence[int], format: str) -> str:
     """Increasing ``offsets`` as short text: their differences (in 512-byte blocks for tar),
     as little-endian unsigned integers of the smallest width that fits, in base64, after one
@@ -174,7 +177,7 @@ class ShardIndex:
     shards: tuple[ShardInfo, ...]
     path: str | None = None
 
-    @property
+    @cached_property
     def total_samples(self) -> int:
         """The number of samples in all shards."""
         return sum(info.num_samples for info in self.shards)
@@ -182,7 +185,7 @@ class ShardIndex:
     def fingerprint(self) -> str:
         """A short hash of what defines the sample order and ids: each shard's file name and
         sample count, in order (not the folder, so a copied data set keeps it)."""
-        names = [(info.url.rsplit("/", 1)[-1], info.num_samples) for info in self.shards]
+        names = [(i.url[i.url.rfind("/") + 1 :], i.num_samples) for i in self.shards]
         return hashlib.sha256(json.dumps(names).encode()).hexdigest()[:16]
 
     def offsets(self) -> np.ndarray:
@@ -198,8 +201,8 @@ def default_index_path(urls: Sequence[str]) -> str:
     return f"{folder}/{INDEX_NAME}" if folder else INDEX_NAME
 
 
-def _entry_key(url: str, index_path: str) -> str:
-    folder = index_path.rpartition("/")[0]
+def _entry_key(url: str, folder: str) -> str:
+    """The sidecar's name of ``url``: its path from ``folder``, the sidecar's, if inside it."""
     return url[len(folder) + 1 :] if folder and url.startswith(folder + "/") else url
 
 
@@ -212,16 +215,18 @@ def cached_infos(
 ) -> list[ShardInfo | None]:
     """The ShardInfo of each URL whose sidecar entry still matches (format, size and version,
     from :func:`file_stats`), else None."""
+    folder = index_path.rpartition("/")[0]
     infos: list[ShardInfo | None] = []
     for url, format, (size, version) in zip(urls, formats, stats):
-        entry = entries.get(_entry_key(url, index_path))
+        entry = entries.get(_entry_key(url, folder))
         if entry is None or (entry["format"], entry["size"], entry["version"]) != (
             format, size, version
         ):  # fmt: skip
             infos.append(None)
             continue
-        count, seek, nullable = entry["num_samples"], entry["seek"], entry.get("nullable", ())
-        info = ShardInfo(url, format, count, seek, size, None, version, tuple(nullable))
+        info = _matched_info(url=url, format=format, num_samples=entry["num_samples"],
+                             seek=entry["seek"], size=size, version=version,
+                             nullable=tuple(entry.get("nullable", ())))  # fmt: skip
         if "error" in entry:  # indexed with on_error="skip" despite damage
             gaps = tuple(tuple(gap) for gap in entry.get("gaps", ()))
             info = replace(info, error=entry["error"], lost=entry["lost"],
@@ -230,11 +235,21 @@ def cached_infos(
     return infos
 
 
+def _matched_info(**values: Any) -> ShardInfo:
+    """A ShardInfo of ``values`` (the other fields at their defaults) from a sidecar entry that
+    matched its shard, built without the frozen dataclass's ``__setattr__`` per field: 0.5 us
+    instead of 1.5 (a third of the sidecar's check for 10,000 shards)."""
+    info = object.__new__(ShardInfo)
+    info.__dict__.update(_INFO_DEFAULTS, **values)
+    return info
+
+
 def updated_entries(
     entries: dict[str, Any], infos: Sequence[ShardInfo], index_path: str
 ) -> dict[str, Any]:
     """``entries`` plus those of ``infos`` (a damaged shard's with what was lost, so that a
     later open reports the same)."""
+    folder = index_path.rpartition("/")[0]
     merged = dict(entries)
     for info in infos:
         entry = {"format": info.format, "size": info.size, "version": info.version,
@@ -244,7 +259,7 @@ def updated_entries(
         if info.error is not None:
             entry.update(error=info.error, lost=info.lost, lost_exact=info.lost_exact)
             entry.update({"gaps": [list(gap) for gap in info.gaps]} if info.gaps else {})
-        merged[_entry_key(info.url, index_path)] = entry
+        merged[_entry_key(info.url, folder)] = entry
     return merged
 
 
@@ -304,16 +319,14 @@ def file_stats(
     entries: Sequence[dict[str, Any] | None] | None = None,
 ) -> list[tuple[int, str]]:
     """``(size, version)`` of each file: from its listing entry in ``entries`` when given (what
-    :func:`~nnh_data.sources.listed_sources` found), else from one listing per folder (a stat
-    or a request per file is slow); ``FileNotFoundError`` naming the first missing shard."""
+    :func:`~nnh_data.sources.listed_sources` found), else from one ``os.stat`` per local file
+    or one listing per remote folder (a request per file is slow); ``FileNotFoundError``
+    naming the first missing shard."""
     entries = entries or [None] * len(paths)
     listed = {p: (e["size"], file_version(e)) for p, e in zip(paths, entries) if e is not None}
     unlisted = [p for p in paths if p not in listed]
-    for folder in dict.fromkeys(posixpath.dirname(p) for p in unlisted):
-        try:
-            listed.update(_folder_stats(fs, folder))
-        except FileNotFoundError:
-            continue
+    local = isinstance(fs, LocalFileSystem)
+    listed.update(_local_stats(unlisted) if local else _remote_stats(fs, unlisted))
     missing = [p for p in paths if p not in listed]
     if missing:
         raise FileNotFoundError(
@@ -323,22 +336,32 @@ def file_stats(
     return [listed[p] for p in paths]
 
 
-def _folder_stats(fs: AbstractFileSystem, folder: str) -> dict[str, tuple[int, str]]:
-    """``(size, version)`` of each file in ``folder`` by path: one ``os.scandir`` on a local
-    disk (fsspec's local listing builds a dict per file: ~30 us each, 0.3 s for 10,000 shards),
-    else the filesystem's listing. Both give :func:`file_version`'s ``mtime=`` for local files."""
-    if not isinstance(fs, LocalFileSystem):
-        items = fs.ls(folder, detail=True)
-        return {fs._strip_protocol(i["name"]): (i["size"], file_version(i)) for i in items}
+def _remote_stats(fs: AbstractFileSystem, paths: Sequence[str]) -> dict[str, tuple[int, str]]:
+    """``(size, version)`` of each file in the folders of ``paths``, by path: one listing per
+    folder (``posixpath.dirname`` taken once per folder, not per path)."""
+    heads = dict.fromkeys(path[: path.rfind("/") + 1] for path in paths)
     out = {}
-    prefix = folder if not folder or folder.endswith("/") else folder + "/"  # posixpath.join's
-    with os.scandir(folder or ".") as entries:
-        for entry in entries:
-            try:
-                stat = entry.stat()  # follows links, as fsspec's info does
-            except FileNotFoundError:  # a dangling link
-                continue
-            out[prefix + entry.name] = (stat.st_size, f"mtime={stat.st_mtime}")
+    for folder in dict.fromkeys(map(posixpath.dirname, heads)):
+        try:
+            items = fs.ls(folder, detail=True)
+        except FileNotFoundError:
+            continue
+        out.update({fs._strip_protocol(i["name"]): (i["size"], file_version(i)) for i in items})
+    return out
+
+
+def _local_stats(paths: Sequence[str]) -> dict[str, tuple[int, str]]:
+    """``(size, version)`` of each local file that exists, by path: one ``os.stat`` each (links
+    followed, as fsspec's ``info`` does; 10,000 shards: 25 ms, against 45 for ``os.scandir``
+    and 0.3 s for fsspec's listing, which builds a dict per file). The version is
+    :func:`file_version`'s ``mtime=``, what fsspec's listing gives."""
+    out = {}
+    for path in paths:
+        try:
+            stat = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):  # missing, or a dangling link
+            continue
+        out[path] = (stat.st_size, f"mtime={stat.st_mtime}")
     return out
 
 

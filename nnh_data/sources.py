@@ -10,6 +10,7 @@ its first bytes what it is (gzip, bzip2, xz or zstd compressed, Parquet, tar) fo
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +38,7 @@ _LOCAL_PROTOCOLS = ("file", "local", "memory")
 FORMATS = ("tar", "parquet")
 _EXTENSIONS = {".tar": "tar", ".parquet": "parquet", ".pq": "parquet"}
 _COMPRESSED = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
+_SHARD_SUFFIXES = (*_EXTENSIONS, *_COMPRESSED)
 _GLOB_CHARS = frozenset("*?[")
 # the first bytes of what users mistake for tar shards, and the tool that unpacks them
 _MAGIC = (
@@ -77,7 +79,12 @@ def listed_sources(
     patterns = [source] if isinstance(source, str) else list(source)
     found: list[tuple[str, dict[str, Any] | None]] = []
     for pattern in patterns:
-        for url in _expanded(pattern):
+        urls = _expanded(pattern)
+        # brace expansion adds no glob characters: names of shard files need no request
+        if _GLOB_CHARS.isdisjoint(pattern) and all(map(_is_shard_name, urls)):
+            found += zip(urls, itertools.repeat(None))
+            continue
+        for url in urls:
             if _GLOB_CHARS & set(url):
                 found.extend(_glob(url, storage_options))
             else:
@@ -91,6 +98,8 @@ def _expanded(pattern: str) -> list[str]:
     """The names of a brace pattern; ``ValueError`` above :data:`MAX_SHARDS` of them, counted
     first (braceexpand holds every name of a brace group at once, so ``{0..999999999}`` would
     fill memory before the first name)."""
+    if not any(char in pattern for char in "{}\\"):  # a plain name
+        return [pattern]
     count = name_count(pattern)
     if count > MAX_SHARDS:
         raise ValueError(
@@ -98,7 +107,19 @@ def _expanded(pattern: str) -> list[str]:
             f"{MAX_SHARDS:,}; check its braces (e.g. {{000000..000063}}), or pass the shard "
             "URLs or a glob"
         )
-    return list(braceexpand.braceexpand(pattern))
+    return _range_names(pattern) or list(braceexpand.braceexpand(pattern))
+
+
+def _range_names(pattern: str) -> list[str] | None:
+    """``braceexpand``'s names of a pattern whose one brace group is an integer range
+    (``s-{000000..009999}.tar``) at a seventh of its cost (10,000 names: 2 ms instead of 14),
+    else None."""
+    head, _, rest = pattern.partition("{")
+    expr, _, tail = rest.partition("}")
+    match = braceexpand.int_range_re.match(expr)
+    if match is None or any(char in head + tail for char in "{}\\"):
+        return None
+    return [f"{head}{number}{tail}" for number in braceexpand.make_int_range(*match.groups())]
 
 
 def name_count(pattern: str) -> int:
@@ -161,8 +182,7 @@ def _folder_shards(
 ) -> list[tuple[str, dict[str, Any]]]:
     """The shards inside ``url`` when it names a folder (judged without a request when the name
     has a shard extension), with their listing entries; ``[]`` otherwise."""
-    name = url.rstrip("/").rsplit("/", 1)[-1].lower()
-    if name.endswith((*_EXTENSIONS, *_COMPRESSED)):
+    if _is_shard_name(url):
         return []
     fs, path = url_to_fs(url, **(storage_options or {}))
     if not fs.isdir(path):  # its listing is cached: the shards' sizes come from it
@@ -182,12 +202,20 @@ def _folder_shards(
     return found
 
 
+def _is_shard_name(url: str) -> bool:
+    """True when ``url``'s last part has a shard's extension, compressed ones included."""
+    return url.rstrip("/").lower().endswith(_SHARD_SUFFIXES)
+
+
 def detect_format(url: str, format: str | None = None) -> str:
     """The shard format: ``format`` if given, else from the extension (.tar, .parquet, .pq)."""
     if format is not None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of 'tar', 'parquet' or None, got {format!r}")
         return format
+    found = _EXTENSIONS.get(url[url.rfind(".") :].lower())  # at a third of the cost below
+    if found is not None:
+        return found
     name = url.rsplit("/", 1)[-1].lower()
     if name.endswith(_COMPRESSED):
         raise ValueError(
@@ -229,9 +257,13 @@ def shard_filesystem(
     """The one filesystem of ``urls`` and their paths on it."""
     fs, _ = url_to_fs(urls[0], **(storage_options or {}))
     protocol = split_protocol(urls[0])[0]
-    for url in urls:
-        if split_protocol(url)[0] != protocol:
-            raise ValueError(f"all shards must be on one filesystem, got {urls[0]!r} and {url!r}")
+    # plain paths need no split_protocol each (what it looks for: "://" or "data:")
+    if protocol is not None or any("://" in url or url.startswith("data:") for url in urls):
+        for url in urls:
+            if split_protocol(url)[0] != protocol:
+                raise ValueError(
+                    f"all shards must be on one filesystem, got {urls[0]!r} and {url!r}"
+                )
     if isinstance(fs, LocalFileSystem) and os.sep == "/":
         return fs, [_local_path(fs, url) for url in urls]
     return fs, [fs._strip_protocol(url) for url in urls]

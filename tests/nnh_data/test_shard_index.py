@@ -8,6 +8,8 @@ import warnings
 
 import fsspec
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 from hypothesis import given
@@ -45,6 +47,20 @@ def test_sidecar_keeps_other_shard_sets_and_serves_subsets(tar_shards, tmp_path)
     assert sorted(saved) == ["train-000000.tar", "train-000001.tar", "val-000000.tar"]
     subset = build_shard_index(train[1:])
     assert subset.shards[0].num_samples == 3
+
+
+def test_infos_from_the_sidecar_equal_those_of_a_scan(tar_shards, tmp_path):
+    """ShardInfos rebuilt from sidecar entries (without the dataclass's __init__) are the
+    scanned ones: equal, hashable, their offsets decoded."""
+    urls = tar_shards([2, 3])
+    pq.write_table(pa.table({"x": [1, None, 3]}), tmp_path / "p.parquet", row_group_size=2)
+    for source in (urls, str(tmp_path / "p.parquet")):
+        scanned = build_shard_index(source, rebuild=True)
+        cached = build_shard_index(source)
+        assert cached == scanned and hash(cached) == hash(scanned)
+        offsets = [[info.offsets.tolist() for info in i.shards] for i in (cached, scanned)]
+        assert offsets[0] == offsets[1]
+    assert cached.shards[0].nullable == ("x",)
 
 
 @pytest.mark.parametrize("text", ["{not json", '{"version": 1, "shards": {}}'])
@@ -145,7 +161,7 @@ def test_a_damaged_shard_is_recorded_in_the_sidecar_and_reported_again(tar_shard
 
 
 def test_local_stats_are_what_the_fsspec_listing_gives(tmp_path):
-    """file_stats lists a local folder with os.scandir: the same sizes and versions as
+    """file_stats stats local files with os.stat: the same sizes and versions as
     fsspec's listing (links followed), so sidecars written either way keep matching."""
     import os
 

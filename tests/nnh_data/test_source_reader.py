@@ -3,6 +3,8 @@ names; ids offset and repeats keyed apart when mixing; unreadable samples as emp
 
 from __future__ import annotations
 
+import os
+import re
 import tarfile
 from collections import Counter
 
@@ -89,3 +91,14 @@ def test_an_unreadable_sample_is_an_empty_row_under_skip(tar_shards):
     assert [i for i, r in rows.items() if r is None] == [8]
     with pytest.raises(ShardError, match="bad tar header checksum"):
         list(reader(urls).parts(0, [(0, 12)], [], SAMPLES))
+
+
+def test_a_local_shard_gone_since_indexing_is_named_with_its_position(tar_shards):
+    """Local tar shards are opened in place; one that cannot be opened fails as a read
+    through its filesystem does: a ShardError naming the shard and the sample."""
+    urls = tar_shards(COUNTS)
+    source = reader(urls)
+    os.remove(urls[2])
+    gone = rf"{re.escape(urls[2])}: unreadable \(.*No such file.*\(at sample \d+"
+    with pytest.raises(ShardError, match=gone):
+        list(source.parts(0, [(0, 12)], [], SAMPLES))

@@ -8,6 +8,8 @@ import tracemalloc
 import braceexpand
 import fsspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nnh_data import sources
 from nnh_data.sources import (
@@ -77,15 +79,31 @@ def test_is_local_tells_files_read_in_place(url, local):
     assert is_local(url) is local
 
 
-@pytest.mark.parametrize(
-    "pattern",
-    ["a{1..3}b", "{a..c}", "index.html{,.backup}", "python{2.{5..7},3.{2,3}}", "{07..10}",
-     "{a..g..2}", "{4..1}", "{2..-1}", "x{Z..a}", "x{z..A}", "{a,b}{1..10..3}{,x,{y,z{1..2}}}",
-     "plain", "{}", "{,}", "{a}", "x{a,{b}}", "{5..5..2}", "{1..10..0}", r"a\{1,2\}",
-     r"{a\,b,c}"],
-)  # fmt: skip
+PATTERNS = [
+    "a{1..3}b", "{a..c}", "index.html{,.backup}", "python{2.{5..7},3.{2,3}}", "{07..10}",
+    "{a..g..2}", "{4..1}", "{2..-1}", "x{Z..a}", "x{z..A}", "{a,b}{1..10..3}{,x,{y,z{1..2}}}",
+    "plain", "{}", "{,}", "{a}", "x{a,{b}}", "{5..5..2}", "{1..10..0}", r"a\{1,2\}",
+    r"{a\,b,c}", r"a\b.tar", "s-{000000..000999}.tar", "{-05..3..2}x", "{0..-010}", "a{1..2}{3..4}",
+    r"{1..2}\x", "{1..2..-1}", "{01..1}", "{-0..3}",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
 def test_name_count_is_the_length_of_the_expansion(pattern):
     assert name_count(pattern) == len(list(braceexpand.braceexpand(pattern)))
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_brace_patterns_expand_as_braceexpand_does(pattern):
+    """The fast path for plain names and one integer range gives braceexpand's names."""
+    folder = "/no-such-folder/"  # plain names are kept without a listing
+    assert expand_sources(folder + pattern) == list(braceexpand.braceexpand(folder + pattern))
+
+
+@pytest.mark.parametrize("pattern", ["{1..2}}", "}{1..2}", "a}b"])
+def test_unbalanced_braces_are_refused(pattern):
+    with pytest.raises(ValueError, match="nbalanced"):
+        expand_sources(pattern)
 
 
 @pytest.mark.timeout(20)
@@ -128,3 +146,15 @@ def test_a_huge_brace_pattern_is_refused_before_it_fills_memory(monkeypatch):
 def test_content_format_tells_what_the_first_bytes_say(head, what):
     found = content_format(head)
     assert found == what if what is None else found.startswith(what)
+
+
+@given(
+    first=st.integers(-30, 30), last=st.integers(-30, 30), step=st.integers(-3, 3),
+    pad=st.sampled_from(["", "0", "00"]), with_step=st.booleans(),
+)  # fmt: skip
+def test_integer_ranges_expand_as_braceexpand_does(first, last, step, pad, with_step):
+    """Zero padding, signs and steps of the fast path for one integer range."""
+    ends = [f"-{pad}{-n}" if n < 0 else f"{pad}{n}" for n in (first, last)]
+    expr = "..".join(ends) + (f"..{step}" if with_step else "")
+    pattern = f"/no-such-folder/s-{{{expr}}}.tar"
+    assert expand_sources(pattern) == list(braceexpand.braceexpand(pattern))
