@@ -155,11 +155,16 @@ class ShardReader:
 
     def _local_file(self, url: str) -> BinaryIO | None:
         """The tar shard at ``url`` opened, when it is a file on the local disk (kept open
-        while its blocks are read: no open, seek and close per block); else None."""
+        while its blocks are read: no fsspec filesystem, open, seek and close per block; a
+        plain path is opened as it is); else None."""
         if self._local is None or self._local[0] != url:
             self._let_go_of_local()
-            fs, path = remote_fs(url, self.storage_options)
-            self._local = url, open(path, "rb") if isinstance(fs, LocalFileSystem) else None
+            if "://" in url or url.startswith("~"):  # a protocol, or a home for fsspec to expand
+                fs, path = remote_fs(url, self.storage_options)
+                path = path if isinstance(fs, LocalFileSystem) else None
+            else:
+                path = url
+            self._local = url, None if path is None else open(path, "rb", buffering=0)
         return self._local[1]
 
     def _let_go_of_local(self) -> None:
