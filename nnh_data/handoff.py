@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
-from nnh_data import batching, shm_ring
+from nnh_data import batching, shm_pool, shm_ring
 from nnh_data.packed import PackedField
 
 __all__ = [
@@ -87,9 +87,10 @@ def _stacked(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> to
     if not all(_numpy_stackable(t, elem) for t in batch):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     shape = (len(batch), *elem.shape)
-    if get_worker_info() is None:
+    out = shm_pool.worker_tensor(shape, elem.dtype)  # a worker's reused buffer, when one is free
+    if out is None and get_worker_info() is None:
         out = torch.empty(shape, dtype=elem.dtype)
-    else:  # as collate_tensor_fn: made in shared memory, so the queue sends it without a copy
+    elif out is None:  # as collate_tensor_fn: in shared memory, so the queue sends it as it is
         storage = elem._typed_storage()._new_shared(elem.numel() * len(batch), device="cpu")
         out = elem.new(storage).resize_(shape)
     np.stack([t.numpy() for t in batch], out=out.numpy())
@@ -264,6 +265,13 @@ class _Tensor(NamedTuple):
     index: int
 
 
+class _Pooled(NamedTuple):
+    """In a skeleton: a tensor in a worker's reused buffer (:func:`shm_pool.rebuild`'s
+    arguments)."""
+
+    placed: tuple
+
+
 class _Packed(NamedTuple):
     """In a skeleton: a packed field of arrays ``data``, ``offsets``, ``valid`` (or None)."""
 
@@ -295,7 +303,8 @@ def _skeleton(value: Any, arrays: list[np.ndarray]) -> Any:
     if isinstance(value, torch.Tensor):
         array = _small_array(value)
         if array is None:
-            return value
+            pooled = shm_pool.placed(value)
+            return value if pooled is None else _Pooled(pooled)
         arrays.append(array)
         return _Tensor(len(arrays) - 1)
     if isinstance(value, PackedField):
@@ -330,6 +339,8 @@ def _filled(skeleton: Any, arrays: list[np.ndarray]) -> Any:
         return {name: _filled(v, arrays) for name, v in skeleton.items()}
     if type(skeleton) is _Tensor:
         return _tensor(arrays[skeleton.index])
+    if type(skeleton) is _Pooled:
+        return shm_pool.rebuild(*skeleton.placed)
     if type(skeleton) is _Packed:
         valid = None if skeleton.valid is None else _tensor(arrays[skeleton.valid])
         return PackedField(_tensor(arrays[skeleton.data]), _tensor(arrays[skeleton.offsets]),

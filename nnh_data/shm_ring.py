@@ -27,7 +27,9 @@ from multiprocessing.reduction import DupFd
 import numpy as np
 import torch
 
-__all__ = ["MAX_SLOT_BYTES", "SLOTS", "Ring", "footprint", "rebuild", "worker_ring"]
+__all__ = [
+    "MAX_SLOT_BYTES", "SLOTS", "Ring", "footprint", "process_alive", "rebuild", "worker_ring",
+]
 
 SLOTS = 6  # batches of one worker in flight: the loader's prefetch (2 by default) and more
 MAX_SLOT_BYTES = 4 << 20
@@ -111,7 +113,7 @@ def _register(token: tuple[int, int], tensor: torch.Tensor, returns: DupFd) -> N
         return
     pid, serial = token
     for old in list(_received):
-        if old[0] == pid and old[1] < serial or old[0] != pid and not _alive(old[0]):
+        if old[0] == pid and old[1] < serial or old[0] != pid and not process_alive(old[0]):
             os.close(_received.pop(old)[1])
     os.set_blocking(fd, False)
     ring = tensor.numpy()
@@ -119,7 +121,8 @@ def _register(token: tuple[int, int], tensor: torch.Tensor, returns: DupFd) -> N
     ring[0] = 1
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a worker that sent shared memory this process holds)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
