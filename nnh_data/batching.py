@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from nnh_data.packed import arrow_kind
+from nnh_data.packed import arrow_kind, arrow_values
 
 Column = list | np.ndarray | pa.Array | pa.ChunkedArray | dict
 ARROW = (pa.Array, pa.ChunkedArray)
@@ -140,28 +140,18 @@ def one_array(column: pa.Array | pa.ChunkedArray) -> pa.Array:
     return column.combine_chunks()
 
 
-def _decoded(column: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
-    """A dictionary column's values as a plain column; any other column as it is."""
-    if not pa.types.is_dictionary(column.type):
-        return column
-    if isinstance(column, pa.Array):
-        return column.dictionary_decode()
-    chunks = [chunk.dictionary_decode() for chunk in column.chunks]
-    return pa.chunked_array(chunks, column.type.value_type)
-
-
 def as_list(column: Column) -> list:
     """A column's values as a list of Python values."""
     if isinstance(column, np.ndarray):
         return column.tolist()
-    return column.to_pylist() if isinstance(column, ARROW) else column
+    return arrow_values(column).to_pylist() if isinstance(column, ARROW) else column
 
 
 def without_arrow(columns: Columns) -> Columns:
     """``columns`` with Arrow arrays as lists of Python values (what ``decode`` receives)."""
     return {
         name: without_arrow(col) if isinstance(col, dict) else
-        col.to_pylist() if isinstance(col, ARROW) else col
+        as_list(col) if isinstance(col, ARROW) else col
         for name, col in columns.items()
     }  # fmt: skip
 
@@ -195,7 +185,7 @@ def concat(parts: Sequence[Columns]) -> Columns:
             continue
         if all(isinstance(col, ARROW) for col in cols):
             if len({c.type for c in cols}) > 1:  # rows taken (dictionaries) and rows as read
-                cols = list(map(_decoded, cols))
+                cols = list(map(arrow_values, cols))
             if len({c.type for c in cols}) == 1:
                 out[name] = pa.chunked_array(_chunks(cols), cols[0].type)
                 continue
