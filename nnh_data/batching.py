@@ -77,23 +77,32 @@ def rows_of(names: Sequence[str], columns: Sequence[Iterable]) -> list[dict]:
     >>> rows_of(["a", "b"], [[1, 2], "xy"])
     [{'a': 1, 'b': 'x'}, {'a': 2, 'b': 'y'}]
     """
-    return _rows_builder(len(names))(*names, columns) if names else []
+    if not names:
+        return []
+    names = tuple(names)
+    if all(type(name) is str for name in names):
+        return _rows_builder(names)(columns)
+    return _rows_builder(len(names))(*names, columns)
 
 
 @functools.lru_cache(maxsize=64)
-def _rows_builder(width: int) -> Callable[..., list[dict]]:
-    """``build(k0, ..., k{width-1}, columns)`` for :func:`rows_of`: a comprehension with the dict
-    display written out, about 3x faster per row than ``dict(zip(names, row))``. Only the
-    width goes into the generated code; the names are passed in as arguments."""
-    keys = [f"k{i}" for i in range(width)]
+def _rows_builder(keys: tuple[str, ...] | int) -> Callable[..., list[dict]]:
+    """``build(columns)`` for :func:`rows_of`: a comprehension with the dict display written
+    out, about 3x faster per row than ``dict(zip(names, row))``. String ``keys`` are written
+    in as literals (``repr``: a display of constant keys builds each dict in one step, ~20%
+    faster than keys passed in); for a width (other keys) the builder is
+    ``build(k0, ..., k{width-1}, columns)``, the keys passed in as arguments."""
+    width = keys if isinstance(keys, int) else len(keys)
     values = [f"v{i}" for i in range(width)]
-    display = ", ".join(f"{k}: {v}" for k, v in zip(keys, values))
+    params = [f"k{i}" for i in range(width)] if isinstance(keys, int) else []
+    shown = params or list(map(repr, keys))
+    display = ", ".join(f"{k}: {v}" for k, v in zip(shown, values))
     source = (
-        f"def build({''.join(k + ', ' for k in keys)}columns):\n"
+        f"def build({''.join(k + ', ' for k in params)}columns):\n"
         f"    return [{{{display}}} for {''.join(v + ', ' for v in values)} in zip(*columns)]\n"
     )
     namespace: dict[str, Any] = {}
-    exec(source, namespace)  # noqa: S102 - the source is built from the width only
+    exec(source, namespace)  # noqa: S102 - names only as repr() literals
     return namespace["build"]
 
 
