@@ -124,9 +124,9 @@ def take(columns: Columns, indices: np.ndarray) -> Columns:
 
 def _arrow_rows(column: pa.Array | pa.ChunkedArray, indices: np.ndarray) -> pa.Array:
     """Rows ``indices`` of an Arrow column. Bytes and text without nulls are not gathered: they
-    come as a dictionary array over the column, ``indices`` its keys (the values of a shuffled
-    window, 3 KiB each, were copied here and again when packed; now only when packed). Other
-    types are taken by Arrow."""
+    come as a dictionary array over the column, ``indices`` its keys, so the bytes of a shuffled
+    batch are copied once, when it is packed (:class:`~nnh_data.packed.PackedField`), not
+    gathered here first. Other types are taken by Arrow."""
     column = one_array(column)
     if pa.types.is_dictionary(column.type):  # taken again (mixing, a batch's readable rows)
         return pa.DictionaryArray.from_arrays(column.indices.take(indices), column.dictionary)
@@ -143,10 +143,7 @@ def one_array(column: pa.Array | pa.ChunkedArray) -> pa.Array:
         return column
     if column.num_chunks == 1:
         return column.chunk(0)
-    if pa.types.is_dictionary(column.type):
-        chunks = [chunk.dictionary_decode() for chunk in column.chunks]
-        column = pa.chunked_array(chunks, column.type.value_type)
-    return column.combine_chunks()
+    return arrow_values(column).combine_chunks()
 
 
 def as_list(column: Column) -> list:
