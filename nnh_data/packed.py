@@ -152,6 +152,8 @@ class PackedField:
         if isinstance(values, list):
             return values[i]
         if values is not None:
+            if pa.types.is_dictionary(values.type):  # decoded once: a value of it is 2x slower
+                self._values = values = arrow_values(values)
             return values[i].as_py()
         if self.valid is not None and not self.valid[i]:
             return None
