@@ -30,13 +30,12 @@ from operator import itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
-import pyarrow as pa
 import torch
 from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from nnh_data import batching, shm_pool, shm_ring
-from nnh_data.packed import PackedField
+from nnh_data.packed import PackedField, arrow_kind
 
 __all__ = [
     "BY_VALUE_BYTES",
@@ -49,7 +48,6 @@ __all__ = [
 
 BY_VALUE_BYTES = 1 << 20  # tensors and packed fields up to this size travel in the message
 _NUMPY_KIND = {bool: np.bool_, int: np.int64, float: np.float64}  # what default_collate makes
-_ARROW_TEXT = (pa.binary(), pa.large_binary(), pa.string(), pa.large_string())
 
 
 def collate_samples(samples: Sequence[Any]) -> Any:
@@ -180,7 +178,7 @@ def _as_collated(columns: dict[str, Any]) -> dict[str, Any]:
 def _packed_arrow(column: Any) -> PackedField | None:
     """An Arrow binary or string column packed from its buffers; None for anything else (and
     for a column of nulls only, which stays a list)."""
-    if not isinstance(column, batching.ARROW) or column.type not in _ARROW_TEXT:
+    if not isinstance(column, batching.ARROW) or arrow_kind(column.type) is None:
         return None
     return PackedField.from_arrow(column) if column.null_count < len(column) else None
 

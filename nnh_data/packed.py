@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-__all__ = ["KINDS", "PackedField"]
+__all__ = ["KINDS", "PackedField", "arrow_kind", "arrow_values"]
 
 KINDS = ("bytes", "str")
 _ARROW_KINDS = {pa.binary(): "bytes", pa.large_binary(): "bytes", pa.string(): "str",
@@ -93,14 +93,14 @@ class PackedField:
 
     @classmethod
     def from_arrow(cls, array: pa.Array | pa.ChunkedArray) -> PackedField:
-        """A field of an Arrow binary or string array (chunked, ``large_`` ones too), packed
-        from its buffers when needed, with no Python object per value: the same field
-        :meth:`pack` makes of its values. Raises ``TypeError`` for other types."""
-        kind = _ARROW_KINDS.get(array.type)
+        """A field of an Arrow binary or string array (chunked, ``large_`` ones, dictionaries
+        of them too), packed from its buffers when needed, with no Python object per value: the
+        same field :meth:`pack` makes of its values. Raises ``TypeError`` for other types."""
+        kind = arrow_kind(array.type)
         if kind is None:
             raise TypeError(f"PackedField.from_arrow: a binary or string array, got {array.type}")
-        if array.null_count:  # null slots may hold bytes; pack gives them none
-            return cls.pack(array.to_pylist())
+        if _has_nulls(array):  # null slots may hold bytes; pack gives them none
+            return cls.pack(arrow_values(array).to_pylist())
         return cls._kept(array, kind, None)
 
     # ------------------------------------------------------------------ packed form
@@ -152,6 +152,8 @@ class PackedField:
         if isinstance(values, list):
             return values[i]
         if values is not None:
+            if pa.types.is_dictionary(values.type):  # decoded once: a value of it is 2x slower
+                self._values = values = arrow_values(values)
             return values[i].as_py()
         if self.valid is not None and not self.valid[i]:
             return None
@@ -167,7 +169,7 @@ class PackedField:
         if isinstance(self._values, list):
             return list(self._values)
         if self._values is not None:
-            return self._values.to_pylist()
+            return arrow_values(self._values).to_pylist()
         bounds = self._offsets_list()
         base = bounds[0] if bounds else 0
         raw = self._bytes()[base : bounds[-1] if bounds else 0].tobytes()
@@ -266,9 +268,47 @@ def _mixed(values: list, kind: type | tuple[type, ...]) -> str:
     return f"PackedField.pack: values must be all bytes or all str (or None), got {bad!r}"
 
 
-def _arrow_packed(array: pa.Array | pa.ChunkedArray) -> tuple[torch.Tensor, torch.Tensor]:
-    """The data and offsets of a binary or string array without nulls, from its buffers."""
+def arrow_kind(kind: pa.DataType) -> str | None:
+    """The kind of field (``"bytes"`` or ``"str"``) :meth:`PackedField.from_arrow` makes of
+    Arrow arrays of type ``kind`` (binary, string, their ``large_`` forms and dictionaries of
+    them); None for any other type."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return _ARROW_KINDS.get(kind)
+
+
+def arrow_values(array: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """``array`` with dictionaries decoded: their values in a new array, taken by Arrow (whose
+    ``to_pylist`` of a dictionary array boxes each value as a scalar: 5-20x slower than
+    decoding first); any other array as it is."""
+    if not pa.types.is_dictionary(array.type):
+        return array
+    if isinstance(array, pa.Array):
+        return array.dictionary_decode()
+    chunks = [chunk.dictionary_decode() for chunk in array.chunks]
+    return pa.chunked_array(chunks, array.type.value_type)
+
+
+def _has_nulls(array: pa.Array | pa.ChunkedArray) -> bool:
+    """Whether ``array`` holds a null (in a dictionary array: a null key or a null value)."""
+    if array.null_count or not pa.types.is_dictionary(array.type):
+        return bool(array.null_count)
     chunks = array.chunks if isinstance(array, pa.ChunkedArray) else [array]
+    return any(chunk.dictionary.null_count for chunk in chunks)
+
+
+def _arrow_packed(array: pa.Array | pa.ChunkedArray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data and offsets of a binary or string array without nulls, from its buffers. A
+    dictionary array's values are gathered by Arrow into a new array, whose data is then used
+    as it is (one copy of the bytes, not two)."""
+    chunks = array.chunks if isinstance(array, pa.ChunkedArray) else [array]
+    if len(chunks) == 1 and pa.types.is_dictionary(chunks[0].type):
+        values = chunks[0].dictionary_decode()  # new buffers, held by nothing else
+        data = values.buffers()[2]
+        if data is not None and not data.is_mutable:
+            data = bytearray(data)
+        return _uint8_tensor(data), torch.from_numpy(_arrow_offsets(values))
+    chunks = [arrow_values(chunk) for chunk in chunks]
     pieces, bounds, base = [], [np.zeros(1, np.int64)], 0
     for chunk in chunks:
         offsets = _arrow_offsets(chunk)
@@ -291,8 +331,8 @@ def _arrow_offsets(chunk: pa.Array) -> np.ndarray:
     return np.frombuffer(buffer, dtype, len(chunk) + 1, chunk.offset * itemsize).astype(np.int64)
 
 
-def _uint8_tensor(buffer: bytearray) -> torch.Tensor:
-    """``buffer`` as a uint8 tensor that takes it over (no copy)."""
+def _uint8_tensor(buffer: bytearray | pa.Buffer | None) -> torch.Tensor:
+    """``buffer`` (writable) as a uint8 tensor that takes it over (no copy)."""
     if not buffer:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(buffer, dtype=torch.uint8)

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nnh_data.batching import Column, Columns
+from nnh_data.batching import Column, Columns, one_array
 from nnh_data.retries import remote_fs
 from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError, row_group_rows
 
@@ -68,7 +68,7 @@ class ParquetReader:
             parquet = self._file(info, file)
             if self.arrow:  # whole row groups in one call: cheaper than batches joined again
                 table = parquet.read_row_groups(groups, use_threads=False).slice(skip, stop - start)
-                columns = {name: _values(info, name, _one_array(column), name in nullable, True)
+                columns = {name: _values(info, name, one_array(column), name in nullable, True)
                            for name, column in zip(table.column_names, table.columns)}  # fmt: skip
             else:
                 batches = parquet.iter_batches(_BATCH, row_groups=groups, use_threads=False)
@@ -138,14 +138,6 @@ def _values(info: ShardInfo, name: str, column: pa.Array, nullable: bool, arrow:
             raise StaleIndexError(info.url, f"column {name!r}", "a null the index did not list")
         return column.to_numpy(zero_copy_only=False)
     return column if arrow else column.to_pylist()
-
-
-def _one_array(column: pa.ChunkedArray) -> pa.Array:
-    """The column as one array (Arrow's take is quick on one), not copied when it is one
-    chunk."""
-    if column.num_chunks == 1:
-        return column.chunk(0)
-    return column.combine_chunks()
 
 
 def _joined(parts: list[Columns]) -> Columns:

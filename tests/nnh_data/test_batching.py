@@ -70,3 +70,28 @@ def test_arrow_columns_give_the_values_of_lists(values, data):
     assert as_list(concat([arrow, cut(arrow, a, b)])["s"]) == values + values[a:b]
     assert concat([arrow, plain])["s"] == values + values  # mixed: Python values
     assert without_arrow({"n": arrow})["n"]["s"] == values
+
+
+@given(st.lists(st.binary(max_size=4), min_size=1, max_size=12), st.data())
+def test_arrow_bytes_taken_again_joined_and_packed_give_the_values_of_lists(values, data):
+    import pyarrow as pa
+
+    from nnh_data.batching import as_list
+    from nnh_data.packed import PackedField
+
+    n = len(values)
+    split = data.draw(st.integers(0, n))
+    read = pa.chunked_array([pa.array(values[:split], pa.binary()),
+                             pa.array(values[split:], pa.binary())])  # a window of two blocks
+    arrow, plain = {"b": read}, {"b": list(values)}
+    orders = [np.array(data.draw(st.permutations(range(n))), dtype=np.int64) for _ in range(2)]
+    taken, expected = take(arrow, orders[0]), take(plain, orders[0])
+    twice = take(concat([cut(taken, 0, split), cut(taken, split, n)]), orders[1])
+    assert as_list(taken["b"]) == expected["b"]
+    assert as_list(twice["b"]) == take(expected, orders[1])["b"]
+    with_read = concat([twice, arrow])["b"]  # rows taken beside rows as read: still Arrow
+    assert isinstance(with_read, pa.ChunkedArray)
+    assert as_list(with_read) == as_list(twice["b"]) + values
+    for column in (taken["b"], twice["b"], with_read):
+        packed = PackedField.from_arrow(column)
+        assert PackedField(packed.data, packed.offsets, packed.kind, None) == as_list(column)

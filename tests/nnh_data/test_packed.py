@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -19,15 +20,20 @@ ascii_text = st.lists(st.text(st.characters(max_codepoint=127), max_size=6), max
 
 def forms(values: list) -> list[PackedField]:
     """The field of ``values`` in each of its forms: kept values, packed tensors, and (for
-    values without nulls) an Arrow array kept and packed."""
+    values without nulls) Arrow arrays kept and packed: chunked, and dictionaries (the rows of
+    a shuffle) in one chunk and in two."""
     kept = PackedField.pack(values)
     packed = PackedField(kept.data, kept.offsets, kept.kind, kept.valid)
     out = [PackedField.pack(values), packed]
     if None not in values and values:
         kind = pa.string() if isinstance(values[0], str) else pa.binary()
         chunks = pa.chunked_array([pa.array(values[:2], kind), pa.array(values[2:], kind)])
-        arrow = PackedField.from_arrow(chunks)
-        out += [arrow, PackedField(arrow.data, arrow.offsets, arrow.kind, arrow.valid)]
+        keys = np.arange(len(values))[::-1]
+        shuffled = pa.DictionaryArray.from_arrays(keys, pa.array(values[::-1], kind))
+        for array in (chunks, shuffled, pa.chunked_array([shuffled[:1], shuffled[1:]])):
+            arrow = PackedField.from_arrow(array)
+            out += [PackedField.from_arrow(array), PackedField(arrow.data, arrow.offsets,
+                                                               arrow.kind, arrow.valid)]
     return out
 
 
@@ -58,6 +64,10 @@ def test_kinds_values_and_errors():
     with pytest.raises(ValueError, match="step 1"):
         names[::2]
     assert PackedField.pack(["a"]) != PackedField.pack([b"a"]) and "3 values" in repr(names)
+    with pytest.raises(TypeError, match="a binary or string array, got dictionary<values=int64"):
+        PackedField.from_arrow(pa.array([1, 2]).dictionary_encode())
+    with_null = pa.DictionaryArray.from_arrays([1, 0, 1], pa.array([b"a", None]))
+    assert PackedField.from_arrow(with_null).tolist() == [None, b"a", None]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs an accelerator")
