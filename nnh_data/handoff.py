@@ -16,9 +16,12 @@ bytes, and pickling the bytes of a packed field through the pipe costs more than
 :func:`handed_out` wraps a worker's batch so that the worker queue sends its tensors up to
 :data:`BY_VALUE_BYTES` and its packed fields through the worker's shared-memory ring
 (:mod:`nnh_data.shm_ring`: one copy in, one copy out, a few bytes through the pipe), or inside
-the message when no slot is free, while larger tensors (decoded images) keep torch's
-shared-memory path, where one segment per tensor is cheap next to its size. The receiving
-process gets a plain dict; outside a worker, nothing is wrapped.
+the message when no slot is free, while larger tensors (decoded images) are stacked by
+:func:`collate_decoded` into one of the worker's reused shared-memory buffers
+(:mod:`nnh_data.shm_pool`: no new segment to fault in per batch, no copy on either side; a
+buffer is written again only once the receiving process has let go of the batch over it), or
+else keep torch's shared-memory path. The receiving process gets a plain dict; outside a
+worker, nothing is wrapped.
 """
 
 from __future__ import annotations

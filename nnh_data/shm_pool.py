@@ -12,7 +12,8 @@ writes its number to a pipe the worker reads before it picks a buffer. So a batc
 loop keeps is never written over, and with no free buffer (the loop holds them all) the worker
 falls back to a new segment, as torch does. A tensor made in a buffer that leaves the worker
 some other way (pickled by torch, inside a structure the hand-off does not walk) retires its
-buffer: the worker never writes that segment again.
+buffer: the worker never writes that segment again. The receiving process lets go of an
+ended worker's buffers when a give-back finds it gone or another worker's first batch arrives.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def _register(token: tuple[int, int], flags: torch.Tensor, returns: DupFd) -> No
         os.close(fd)
         return
     for old in [t for t in _received if t[0] != token[0] and not process_alive(t[0])]:
-        os.close(_received.pop(old)[0])
+        _forget(old)
     os.set_blocking(fd, False)
     array = flags.numpy()
     _received[token] = fd, array, {}
@@ -185,5 +186,14 @@ def _give_back(token: tuple[int, int], number: int) -> None:
         return
     try:
         os.write(entry[0], bytes([number]))
-    except (BrokenPipeError, BlockingIOError):  # the worker has ended, or stopped reading
+    except BrokenPipeError:  # the worker has ended: its buffers are no longer needed here
+        _forget(token)
+    except BlockingIOError:  # the worker stopped reading (it is ending)
         pass
+
+
+def _forget(token: tuple[int, int]) -> None:
+    """Let go of an ended worker's pipe and buffers (tensors handed out keep theirs)."""
+    entry = _received.pop(token, None)  # a finalizer in another thread may have been first
+    if entry is not None:
+        os.close(entry[0])
