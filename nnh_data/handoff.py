@@ -18,7 +18,7 @@ bytes, and pickling the bytes of a packed field through the pipe costs more than
 (:mod:`nnh_data.shm_ring`: one copy in, one copy out, a few bytes through the pipe), or inside
 the message when no slot is free, while larger tensors (decoded images) are stacked by
 :func:`collate_decoded` into one of the worker's reused shared-memory buffers
-(:mod:`nnh_data.shm_pool`: no new segment to fault in per batch, no copy on either side; a
+(:mod:`nnh_data.batch_buffers`: no new segment to fault in per batch, no copy on either side; a
 buffer is written again only once the receiving process has let go of the batch over it), or
 else keep torch's shared-memory path. The receiving process gets a plain dict; outside a
 worker, nothing is wrapped.
@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
-from nnh_data import batching, shm_pool, shm_ring
+from nnh_data import batch_buffers, batching, shm_ring
 from nnh_data.packed import PackedField, arrow_kind
 
 __all__ = [
@@ -88,7 +88,7 @@ def _stacked(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> to
     if not all(_numpy_stackable(t, elem) for t in batch):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     shape = (len(batch), *elem.shape)
-    out = shm_pool.worker_tensor(shape, elem.dtype)  # a worker's reused buffer, when one is free
+    out = batch_buffers.batch_tensor(shape, elem.dtype)  # a reused buffer, when one is free
     if out is None and get_worker_info() is None:
         out = torch.empty(shape, dtype=elem.dtype)
     elif out is None:  # as collate_tensor_fn: in shared memory, so the queue sends it as it is
@@ -267,7 +267,7 @@ class _Tensor(NamedTuple):
 
 
 class _Pooled(NamedTuple):
-    """In a skeleton: a tensor in a worker's reused buffer (:func:`shm_pool.rebuild`'s
+    """In a skeleton: a tensor in a worker's reused buffer (:func:`batch_buffers.rebuild`'s
     arguments)."""
 
     placed: tuple
@@ -304,7 +304,7 @@ def _skeleton(value: Any, arrays: list[np.ndarray]) -> Any:
     if isinstance(value, torch.Tensor):
         array = _small_array(value)
         if array is None:
-            pooled = shm_pool.placed(value)
+            pooled = batch_buffers.placed(value)
             return value if pooled is None else _Pooled(pooled)
         arrays.append(array)
         return _Tensor(len(arrays) - 1)
@@ -341,7 +341,7 @@ def _filled(skeleton: Any, arrays: list[np.ndarray]) -> Any:
     if type(skeleton) is _Tensor:
         return _tensor(arrays[skeleton.index])
     if type(skeleton) is _Pooled:
-        return shm_pool.rebuild(*skeleton.placed)
+        return batch_buffers.rebuild(*skeleton.placed)
     if type(skeleton) is _Packed:
         valid = None if skeleton.valid is None else _tensor(arrays[skeleton.valid])
         return PackedField(_tensor(arrays[skeleton.data]), _tensor(arrays[skeleton.offsets]),

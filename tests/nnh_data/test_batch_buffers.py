@@ -1,7 +1,7 @@
-"""The workers' reused shared-memory buffers (nnh_data.shm_pool): a buffer is written again only
-after the receiving process let go of every tensor over it; batches a loop keeps stay as they
-were; buffers are reused, a few per worker; a tensor that leaves some other way retires its
-buffer."""
+"""Reused batch buffers (nnh_data.batch_buffers): a buffer is written again only after every
+tensor over it was let go of (in the receiving process, or in the main process without
+workers); batches a loop keeps stay as they were; buffers are reused, a few per process; a
+tensor that leaves a worker some other way retires its buffer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import gc
 import pytest
 import torch
 
-from nnh_data import ShardedStreamingDataset, shm_pool, streaming_loader
+from nnh_data import ShardedStreamingDataset, batch_buffers, streaming_loader
 
 SIDE = 96  # a decoded sample of 96x96x3 uint8 (27 KiB): batches of 48 are 1.3 MiB
 
@@ -22,14 +22,14 @@ def decode_image(sample: dict) -> dict:
 
 
 def test_a_buffer_is_written_again_only_after_the_receiver_lets_go():
-    pool = shm_pool.Pool()
-    shape = (shm_pool.MIN_BYTES,)
+    pool = batch_buffers.Pool()
+    shape = (batch_buffers.MIN_BYTES,)
     first = pool.tensor(shape, torch.uint8)
     first.fill_(7)
-    received = shm_pool.rebuild(*pool.placed(first))
+    received = batch_buffers.rebuild(*pool.placed(first))
     pointer = first.data_ptr()
     del first
-    held = [pool.tensor(shape, torch.uint8) for _ in range(shm_pool.BUFFERS - 1)]
+    held = [pool.tensor(shape, torch.uint8) for _ in range(batch_buffers.BUFFERS - 1)]
     assert pointer not in {t.data_ptr() for t in held}  # the receiver still holds the first
     assert pool.tensor(shape, torch.uint8) is None  # every buffer in use: the caller falls back
     assert torch.equal(received, torch.full(shape, 7, dtype=torch.uint8))
@@ -44,8 +44,8 @@ def test_a_buffer_is_written_again_only_after_the_receiver_lets_go():
 
 
 def test_a_tensor_that_leaves_another_way_retires_its_buffer():
-    pool = shm_pool.Pool()
-    shape = (shm_pool.MIN_BYTES,)
+    pool = batch_buffers.Pool()
+    shape = (batch_buffers.MIN_BYTES,)
     lost = pool.tensor(shape, torch.uint8)
     storage = lost.untyped_storage()  # as torch's pickler would share the segment itself
     del lost
@@ -55,10 +55,27 @@ def test_a_tensor_that_leaves_another_way_retires_its_buffer():
 
 
 def test_other_tensors_are_not_placed():
-    pool = shm_pool.Pool()
+    pool = batch_buffers.Pool()
     assert pool.placed(torch.zeros(3)) is None
-    made = pool.tensor((shm_pool.MIN_BYTES,), torch.uint8)
+    made = pool.tensor((batch_buffers.MIN_BYTES,), torch.uint8)
     assert pool.placed(made) is not None and pool.placed(made) is None  # sent once
+
+
+def test_the_main_process_reuses_a_buffer_once_the_batch_over_it_is_freed():
+    local = batch_buffers.LocalBuffers()
+    shape = (512, 1024)
+    first = local.tensor(shape, torch.int16)
+    first.fill_(3)
+    row, pointer = first[1], first.data_ptr()
+    del first
+    others = [local.tensor(shape, torch.int16) for _ in range(batch_buffers.BUFFERS - 1)]
+    assert local.tensor(shape, torch.int16) is None  # a row of the first still holds its buffer
+    assert torch.equal(row, torch.full((1024,), 3, dtype=torch.int16))
+    del row
+    gc.collect()
+    again = local.tensor(shape, torch.int16)
+    assert again is not None and again.data_ptr() == pointer
+    del others
 
 
 def _batches(urls: list[str], workers: int, context: str | None, keep: bool) -> list:
@@ -77,7 +94,10 @@ def test_batches_kept_by_the_loop_stay_as_they_were(tar_shards, context):
     urls = tar_shards([150, 150, 150], size=8)
     expected = {int(c[0]): (c, image) for c, image in _batches(urls, 0, None, keep=True)}
     got = _batches(urls, 2, context, keep=True)
-    assert len(got) == len(expected) > 2 * shm_pool.BUFFERS
+    assert len(got) == len(expected) > 2 * batch_buffers.BUFFERS
+    again = _batches(urls, 0, None, keep=True)  # without workers: the main process's buffers
+    assert all(torch.equal(c, e[0]) and torch.equal(i, e[1])
+               for (c, i), e in zip(again, expected.values(), strict=True))  # fmt: skip
     for cls, image in got:
         want_cls, want_image = expected[int(cls[0])]
         assert torch.equal(cls, want_cls) and torch.equal(image, want_image)
@@ -87,8 +107,8 @@ def test_batches_kept_by_the_loop_stay_as_they_were(tar_shards, context):
 @pytest.mark.timeout(240)
 def test_a_worker_reuses_a_few_buffers(tar_shards):
     urls = tar_shards([200, 200, 200], size=8)
-    before = set(shm_pool._received)
+    before = set(batch_buffers._received)
     got = _batches(urls, 2, "fork", keep=False)
-    assert len(got) > 2 * shm_pool.BUFFERS + 2
-    pools = [entry[2] for token, entry in shm_pool._received.items() if token not in before]
-    assert pools and all(len(buffers) <= shm_pool.BUFFERS for buffers in pools)
+    assert len(got) > 2 * batch_buffers.BUFFERS + 2
+    pools = [entry[2] for token, entry in batch_buffers._received.items() if token not in before]
+    assert pools and all(len(buffers) <= batch_buffers.BUFFERS for buffers in pools)

@@ -1,10 +1,11 @@
-"""Reused shared-memory buffers for the large tensors of a DataLoader worker's batches.
+"""Reused buffers for the large tensors of batches (decoded images): shared memory in a
+DataLoader worker, plain memory in the main process.
 
 A collated batch of decoded images (256 x 224x224x3 uint8: 38.5 MB) is made, torch's way, in
 a new shared-memory segment per batch, and the kernel zero-fills and maps every page of it on
 first write: on the development machine stacking 256 such images into a new segment took
 140-150 us per image, into memory written before 20 us. Here a worker keeps up to
-:data:`BUFFERS` segments and stacks each batch into a free one (:func:`worker_tensor`); the
+:data:`BUFFERS` segments and stacks each batch into a free one (:func:`batch_tensor`); the
 message carries the buffer's number (and, the first time, the segment itself); the receiving
 process maps each segment once, hands the batch out as a tensor over it with no copy
 (:func:`rebuild`), and gives the buffer back when the last tensor over it is freed: a finalizer
@@ -14,6 +15,10 @@ falls back to a new segment, as torch does. A tensor made in a buffer that leave
 some other way (pickled by torch, inside a structure the hand-off does not walk) retires its
 buffer: the worker never writes that segment again. The receiving process lets go of an
 ended worker's buffers when a give-back finds it gone or another worker's first batch arrives.
+
+Without workers the same holds in one process (:class:`LocalBuffers`): a new batch of 38.5 MB
+is a new mapping, zero-filled by the kernel page by page, so a batch is stacked into a buffer
+that the batch handed out before it has let go of.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 
 from nnh_data.shm_ring import process_alive
 
-__all__ = ["BUFFERS", "MIN_BYTES", "Pool", "placed", "rebuild", "worker_tensor"]
+__all__ = ["BUFFERS", "MIN_BYTES", "LocalBuffers", "Pool", "batch_tensor", "placed", "rebuild"]
 
 BUFFERS = 4  # per worker: the loader's prefetch (2 by default) and batches the loop holds
 MIN_BYTES = 1 << 20  # smaller tensors travel in the ring or the message (nnh_data.handoff)
@@ -56,17 +61,14 @@ class Pool:
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised tensor of ``shape`` and ``dtype`` in a free buffer (a new one while
         there are fewer than :data:`BUFFERS`); None when every buffer is in use."""
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = _nbytes(shape, dtype)
         self._take_back()
         sizes = [0 if b is None else b.numel() for b in self.buffers]
-        fits = [i for i in self._free if nbytes <= sizes[i] <= 2 * nbytes]
-        if fits:
-            number = fits[0]
-        elif self._free or len(self.buffers) < BUFFERS:  # a new one, or one made to measure
-            number = self._free[0] if self._free else len(self.buffers)
-            self._new_buffer(number, nbytes)
-        else:
+        number = _pick(self._free, sizes, nbytes)
+        if number is None:
             return None
+        if number == len(sizes) or not nbytes <= sizes[number] <= 2 * nbytes:
+            self._new_buffer(number, nbytes)
         self._free.remove(number)
         tensor = self.buffers[number][:nbytes].view(dtype).view(shape)
         serial = next(self._serials)
@@ -114,26 +116,73 @@ class Pool:
             pass
 
 
+class LocalBuffers:
+    """The main process's buffers (no workers): a tensor handed out over a buffer gives it back
+    when it and its views are freed."""
+
+    def __init__(self) -> None:
+        self.buffers: list[np.ndarray] = []
+        self._free: list[int] = []
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """An uninitialised tensor of ``shape`` and ``dtype`` over a free buffer; None when
+        every buffer is in use."""
+        nbytes = _nbytes(shape, dtype)
+        sizes = [b.nbytes for b in self.buffers]
+        number = _pick(self._free, sizes, nbytes)
+        if number is None:
+            return None
+        if number == len(self.buffers):
+            self.buffers.append(np.empty(nbytes, np.uint8))
+            self._free.append(number)
+        elif not nbytes <= sizes[number] <= 2 * nbytes:
+            self.buffers[number] = np.empty(nbytes, np.uint8)
+        self._free.remove(number)
+        numpy_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        array = self.buffers[number][:nbytes].view(numpy_dtype).reshape(shape)
+        weakref.finalize(array, self._free.append, number).atexit = False
+        return torch.from_numpy(array)
+
+
+def _pick(free: list[int], sizes: list[int], nbytes: int) -> int | None:
+    """The buffer for ``nbytes``: a free one of that size to twice it, else a new one (a free
+    one to be made to measure, or one more while there are fewer than :data:`BUFFERS`); None
+    when every buffer is in use."""
+    fits = [i for i in free if nbytes <= sizes[i] <= 2 * nbytes]
+    if fits:
+        return fits[0]
+    if free:
+        return free[0]
+    return len(sizes) if len(sizes) < BUFFERS else None
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+
+
 _pool: Pool | None = None
+_local: LocalBuffers | None = None
 
 
-def worker_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """In a DataLoader worker: an uninitialised tensor for a batch of ``shape`` and ``dtype`` in
-    one of this process's buffers; None outside a worker, below :data:`MIN_BYTES`, or when
-    every buffer is in use (the caller makes a new shared tensor then)."""
-    global _pool
+def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """An uninitialised tensor for a batch of ``shape`` and ``dtype`` (numpy's dtypes) in one
+    of this process's buffers: a DataLoader worker's pool, else the main process's buffers;
+    None below :data:`MIN_BYTES` or when every buffer is in use (the caller makes a new
+    tensor then, in shared memory in a worker)."""
+    global _pool, _local
+    if _nbytes(shape, dtype) < MIN_BYTES:
+        return None
     if torch.utils.data.get_worker_info() is None:
-        return None
-    if math.prod(shape) * torch.empty(0, dtype=dtype).element_size() < MIN_BYTES:
-        return None
+        _local = _local or LocalBuffers()
+        return _local.tensor(shape, dtype)
     if _pool is None or _pool.token[0] != os.getpid():
         _pool = Pool()
     return _pool.tensor(shape, dtype)
 
 
 def placed(tensor: torch.Tensor) -> tuple | None:
-    """The arguments of :func:`rebuild` for ``tensor`` when :func:`worker_tensor` made it in
-    this process; else None."""
+    """The arguments of :func:`rebuild` for ``tensor`` when :func:`batch_tensor` made it in
+    this worker; else None."""
     return None if _pool is None else _pool.placed(tensor)
 
 
