@@ -56,7 +56,8 @@ class Pool:
         self._free: list[int] = []
         self._serials = itertools.count()
         self._serial_of: dict[int, int] = {}  # id of a tensor made and not sent: its serial
-        self._unsent: dict[int, int] = {}  # serial of a tensor made and not sent: its buffer
+        # serial of a tensor made and not sent: its buffer, the users of its memory then
+        self._unsent: dict[int, tuple[int, int]] = {}
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised tensor of ``shape`` and ``dtype`` in a free buffer (a new one while
@@ -72,7 +73,7 @@ class Pool:
         self._free.remove(number)
         tensor = self.buffers[number][:nbytes].view(dtype).view(shape)
         serial = next(self._serials)
-        self._serial_of[id(tensor)], self._unsent[serial] = serial, number
+        self._serial_of[id(tensor)], self._unsent[serial] = serial, (number, _users(tensor))
         weakref.finalize(tensor, self._lost, id(tensor), serial).atexit = False
         return tensor
 
@@ -88,10 +89,14 @@ class Pool:
 
     def placed(self, tensor: torch.Tensor) -> tuple | None:
         """The arguments of :func:`rebuild` for a tensor :meth:`tensor` made (then sent: its
-        buffer stays in use until the receiver gives it back); None for any other tensor."""
-        number = self._unsent.pop(self._serial_of.pop(id(tensor), -1), None)
-        if number is None:
+        buffer stays in use until the receiver gives it back); None for any other tensor, and
+        for one with a view made since (a channel-first view beside it in the batch): torch
+        would send that view over the same segment and the receiver keep it after giving the
+        buffer back, so the buffer is retired instead, when the tensor is freed."""
+        made = self._unsent.get(self._serial_of.get(id(tensor), -1))
+        if made is None or _users(tensor) > made[1]:
             return None
+        number = self._unsent.pop(self._serial_of.pop(id(tensor)))[0]
         pipe = None if self.flags[0] else (self.flags, DupFd(self._returns))
         buffer = None if self.flags[1 + number] else self.buffers[number]
         dtype = str(tensor.dtype).removeprefix("torch.")
@@ -103,10 +108,10 @@ class Pool:
         pickled the tensor instead (torch, sharing its segment) may have sent it on."""
         if self._serial_of.get(ident) == serial:
             del self._serial_of[ident]
-        number = self._unsent.pop(serial, None)
-        if number is not None:
-            self.buffers[number] = None
-            self._free.append(number)
+        made = self._unsent.pop(serial, None)
+        if made is not None:
+            self.buffers[made[0]] = None
+            self._free.append(made[0])
 
     def _take_back(self) -> None:
         """Mark free the buffers the receiver has written back."""
@@ -154,6 +159,11 @@ def _pick(free: list[int], sizes: list[int], nbytes: int) -> int | None:
     if free:
         return free[0]
     return len(sizes) if len(sizes) < BUFFERS else None
+
+
+def _users(tensor: torch.Tensor) -> int:
+    """How many tensors and storages hold ``tensor``'s memory (each view counts)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nnh_data import ShardedStreamingDataset, batch_buffers, streaming_loader
+from nnh_data.handoff import collate_decoded
 
 SIDE = 96  # a decoded sample of 96x96x3 uint8 (27 KiB): batches of 48 are 1.3 MiB
 
@@ -76,6 +77,33 @@ def test_the_main_process_reuses_a_buffer_once_the_batch_over_it_is_freed():
     again = local.tensor(shape, torch.int16)
     assert again is not None and again.data_ptr() == pointer
     del others
+
+
+def test_a_tensor_with_another_view_is_not_placed():
+    pool = batch_buffers.Pool()
+    made = pool.tensor((batch_buffers.MIN_BYTES,), torch.uint8)
+    view = made[1:]  # torch would send it on its own, over the same segment
+    assert pool.placed(made) is None
+    del made, view
+    assert pool.buffers[0] is None  # retired: never written again
+
+
+def collate_with_view(samples: list) -> dict:
+    """A user's collate_fn adding a channel-first view of the images."""
+    batch = collate_decoded(samples)
+    batch["chw"] = batch["image"].permute(0, 3, 1, 2)
+    return batch
+
+
+@pytest.mark.timeout(120)
+def test_a_kept_view_sent_beside_its_batch_stays_as_it_was(tar_shards):
+    ds = ShardedStreamingDataset(tar_shards([150, 150, 150], size=8), decode=decode_image, seed=3)
+    loader = streaming_loader(ds, 48, num_workers=2, collate_fn=collate_with_view,
+                              multiprocessing_context="fork")  # fmt: skip
+    kept = [(batch["cls"], batch["chw"]) for batch in loader]  # the images let go of
+    assert len(kept) > 2 * batch_buffers.BUFFERS
+    for cls, chw in kept:
+        assert torch.equal(chw, (cls % 251).to(torch.uint8).view(-1, 1, 1, 1).expand_as(chw))
 
 
 def _batches(urls: list[str], workers: int, context: str | None, keep: bool) -> list:
