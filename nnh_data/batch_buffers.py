@@ -54,6 +54,7 @@ class Pool:
         self._freed, self._returns = os.pipe()
         os.set_blocking(self._freed, False)
         self._free: list[int] = []
+        self._retired: list[int] = []  # by _lost, on any thread; handled by _take_back
         self._serials = itertools.count()
         self._serial_of: dict[int, int] = {}  # id of a tensor made and not sent: its serial
         # serial of a tensor made and not sent: its buffer, the users of its memory then
@@ -105,16 +106,21 @@ class Pool:
     def _lost(self, ident: int, serial: int) -> None:
         """A tensor :meth:`tensor` made was freed without :meth:`placed`: its buffer is retired
         (its number gets a new one when next needed), never written again, since whatever
-        pickled the tensor instead (torch, sharing its segment) may have sent it on."""
+        pickled the tensor instead (torch, sharing its segment) may have sent it on. A
+        finalizer, run on any thread (the queue's feeder) at any point of :meth:`tensor`: it
+        only notes the number, :meth:`_take_back` retires it."""
         if self._serial_of.get(ident) == serial:
             del self._serial_of[ident]
         made = self._unsent.pop(serial, None)
         if made is not None:
-            self.buffers[made[0]] = None
-            self._free.append(made[0])
+            self._retired.append(made[0])
 
     def _take_back(self) -> None:
-        """Mark free the buffers the receiver has written back."""
+        """Mark free the buffers the receiver has written back, and those retired."""
+        while self._retired:
+            number = self._retired.pop()
+            self.buffers[number] = None
+            self._free.append(number)
         try:
             self._free += os.read(self._freed, 4096)
         except BlockingIOError:
