@@ -27,6 +27,7 @@ import itertools
 import math
 import os
 import weakref
+from multiprocessing import util
 from multiprocessing.reduction import DupFd
 
 import numpy as np
@@ -56,6 +57,7 @@ class Pool:
         self._free: list[int] = []
         self._retired: list[int] = []  # by _lost, on any thread; handled by _take_back
         self._serials = itertools.count()
+        util.Finalize(self, self._let_go, exitpriority=-10)  # after the queue's feeder ends
         self._serial_of: dict[int, int] = {}  # id of a tensor made and not sent: its serial
         # serial of a tensor made and not sent: its buffer, the users of its memory then
         self._unsent: dict[int, tuple[int, int]] = {}
@@ -114,6 +116,13 @@ class Pool:
         made = self._unsent.pop(serial, None)
         if made is not None:
             self._retired.append(made[0])
+
+    def _let_go(self) -> None:
+        """At the worker's exit (``os._exit`` follows, which frees nothing): drop the segments,
+        which under torch's ``file_system`` sharing strategy stay in /dev/shm until every
+        process that holds them lets go (a non-persistent worker's 4 buffers every epoch)."""
+        self.buffers[:] = [None] * len(self.buffers)
+        self.flags = torch.ones_like(self.flags)  # nothing more to send (a late feeder)
 
     def _take_back(self) -> None:
         """Mark free the buffers the receiver has written back, and those retired."""

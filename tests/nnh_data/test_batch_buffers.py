@@ -6,6 +6,8 @@ tensor that leaves a worker some other way retires its buffer."""
 from __future__ import annotations
 
 import gc
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,3 +157,35 @@ def test_a_worker_reuses_a_few_buffers(tar_shards):
     assert len(got) > 2 * batch_buffers.BUFFERS + 2
     pools = [entry[2] for token, entry in batch_buffers._received.items() if token not in before]
     assert pools and all(len(buffers) <= batch_buffers.BUFFERS for buffers in pools)
+
+
+def decode_image_only(sample: dict) -> dict:
+    return {"image": decode_image(sample)["image"]}  # nothing for the ring (nnh_data.shm_ring)
+
+
+@pytest.mark.timeout(120)
+def test_ended_workers_leave_no_segment_under_the_file_system_strategy(tar_shards, tmp_path):
+    pids = tmp_path / "pids"
+    ds = ShardedStreamingDataset(tar_shards([144, 144], size=8), decode=decode_image_only)
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")  # named in /dev/shm, refcounted
+    try:
+        for _ in range(3):  # new workers every epoch
+            loader = streaming_loader(ds, 48, num_workers=2, persistent_workers=False,
+                                      multiprocessing_context="fork",
+                                      worker_init_fn=lambda _: _note_pid(pids))  # fmt: skip
+            assert sum(1 for _ in loader) > 2
+            del loader
+            gc.collect()
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
+    mapped = {token[0] for token in batch_buffers._received}  # the last epoch's workers
+    ended = set(pids.read_text().split()) - {str(pid) for pid in mapped}
+    assert len(ended) >= 4  # (one of the last may be let go of already)
+    left = [n for n in os.listdir("/dev/shm") if n.split("_")[:2] in [["torch", p] for p in ended]]
+    assert left == []
+
+
+def _note_pid(path: Path) -> None:
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
