@@ -41,7 +41,7 @@ BUFFERS = 4  # per worker: the loader's prefetch (2 by default) and batches the 
 MIN_BYTES = 1 << 20  # smaller tensors travel in the ring or the message (nnh_data.handoff)
 _serial = itertools.count()
 # in the receiving process, by pool token: (pipe to the worker, flags, {number: buffer})
-_received: dict[tuple[int, int], tuple[int, np.ndarray, dict[int, torch.Tensor]]] = {}
+_received: dict[tuple[int, int], tuple[_Returns, np.ndarray, dict[int, torch.Tensor]]] = {}
 
 
 class Pool:
@@ -240,17 +240,32 @@ def rebuild(
     return torch.from_numpy(array)
 
 
+class _Returns:
+    """The pipe back to a worker's pool, closed once nothing holds it: a give-back on another
+    thread may be about to write when the worker is let go of, and a closed number is the
+    next file's the process opens."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
 def _register(token: tuple[int, int], flags: torch.Tensor, returns: DupFd) -> None:
     """Keep the pipe to a worker's pool and its flags; let go of ended workers' pools."""
     fd = returns.detach()
     if token in _received:
         os.close(fd)
         return
-    for old in [t for t in _received if t[0] != token[0] and not process_alive(t[0])]:
+    # a copy of the keys: a finalizer on another thread may let go of one meanwhile
+    for old in [t for t in list(_received) if t[0] != token[0] and not process_alive(t[0])]:
         _forget(old)
     os.set_blocking(fd, False)
     array = flags.numpy()
-    _received[token] = fd, array, {}
+    _received[token] = _Returns(fd), array, {}
     array[0] = 1
 
 
@@ -259,7 +274,7 @@ def _give_back(token: tuple[int, int], number: int) -> None:
     if entry is None:
         return
     try:
-        os.write(entry[0], bytes([number]))
+        os.write(entry[0].fd, bytes([number]))
     except BrokenPipeError:  # the worker has ended: its buffers are no longer needed here
         _forget(token)
     except BlockingIOError:  # the worker stopped reading (it is ending)
@@ -268,6 +283,4 @@ def _give_back(token: tuple[int, int], number: int) -> None:
 
 def _forget(token: tuple[int, int]) -> None:
     """Let go of an ended worker's pipe and buffers (tensors handed out keep theirs)."""
-    entry = _received.pop(token, None)  # a finalizer in another thread may have been first
-    if entry is not None:
-        os.close(entry[0])
+    _received.pop(token, None)  # a finalizer in another thread may have been first

@@ -71,6 +71,50 @@ def test_a_buffer_retired_while_a_tensor_is_being_made_is_not_handed_out(monkeyp
     assert made is not None and pool.placed(made) is not None
 
 
+def test_a_give_back_never_writes_to_a_file_opened_meanwhile(monkeypatch, tmp_path):
+    pool = batch_buffers.Pool()
+    received = _sent(pool)
+    other, write = [], os.write
+
+    def forgotten_meanwhile(fd, data):  # another thread lets go of the worker, opens a file
+        batch_buffers._forget(pool.token)
+        other.append(open(tmp_path / "other", "wb"))  # noqa: SIM115
+        try:
+            os.fstat(fd)
+        except OSError:  # closed: the file opened may get its number (made so here)
+            os.dup2(other[0].fileno(), fd)
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", forgotten_meanwhile)
+    del received  # the finalizer gives the buffer back
+    monkeypatch.undo()
+    other[0].close()
+    assert (tmp_path / "other").read_bytes() == b""
+
+
+def test_ended_workers_are_let_go_of_while_others_forget_theirs(monkeypatch):
+    pools = [batch_buffers.Pool() for _ in range(3)]
+    for pool, pid in zip(pools, [1, 2**22]):  # a live process, one that ended
+        pool.token = (pid, 0)
+        _sent(pool)
+    alive = batch_buffers.process_alive
+
+    def forgetting(pid):  # a finalizer on another thread lets go of the first worker
+        batch_buffers._forget(pools[0].token)
+        return alive(pid)
+
+    monkeypatch.setattr(batch_buffers, "process_alive", forgetting)
+    _sent(pools[2])
+    assert pools[1].token not in batch_buffers._received
+    assert pools[2].token in batch_buffers._received
+    batch_buffers._forget(pools[2].token)
+
+
+def _sent(pool: batch_buffers.Pool) -> torch.Tensor:
+    """A tensor the pool made, as the receiving process gets it."""
+    return batch_buffers.rebuild(*pool.placed(pool.tensor((batch_buffers.MIN_BYTES,), torch.uint8)))
+
+
 def test_other_tensors_are_not_placed():
     pool = batch_buffers.Pool()
     assert pool.placed(torch.zeros(3)) is None
