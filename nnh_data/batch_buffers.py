@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import threading
 import weakref
 from multiprocessing import util
 from multiprocessing.reduction import DupFd
@@ -138,16 +139,29 @@ class Pool:
 
 class LocalBuffers:
     """The main process's buffers (no workers): a tensor handed out over a buffer gives it back
-    when it and its views are freed."""
+    when it and its views are freed. Loaders in several threads share them: one picks at a
+    time (the give-back, a finalizer, only appends)."""
 
     def __init__(self) -> None:
         self.buffers: list[np.ndarray] = []
         self._free: list[int] = []
+        self._picking = threading.Lock()
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised tensor of ``shape`` and ``dtype`` over a free buffer; None when
         every buffer is in use."""
         nbytes = _nbytes(shape, dtype)
+        with self._picking:
+            number = self._take(nbytes)
+        if number is None:
+            return None
+        numpy_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        array = self.buffers[number][:nbytes].view(numpy_dtype).reshape(shape)
+        weakref.finalize(array, self._free.append, number).atexit = False
+        return torch.from_numpy(array)
+
+    def _take(self, nbytes: int) -> int | None:
+        """The number of a free buffer of ``nbytes`` to twice it, now in use; None if none."""
         sizes = [b.nbytes for b in self.buffers]
         number = _pick(self._free, sizes, nbytes)
         if number is None:
@@ -158,10 +172,7 @@ class LocalBuffers:
         elif not nbytes <= sizes[number] <= 2 * nbytes:
             self.buffers[number] = np.empty(nbytes, np.uint8)
         self._free.remove(number)
-        numpy_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-        array = self.buffers[number][:nbytes].view(numpy_dtype).reshape(shape)
-        weakref.finalize(array, self._free.append, number).atexit = False
-        return torch.from_numpy(array)
+        return number
 
 
 def _pick(free: list[int], sizes: list[int], nbytes: int) -> int | None:

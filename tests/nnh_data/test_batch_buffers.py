@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,36 @@ def test_a_kept_view_sent_beside_its_batch_stays_as_it_was(tar_shards):
     assert len(kept) > 2 * batch_buffers.BUFFERS
     for cls, chw in kept:
         assert torch.equal(chw, (cls % 251).to(torch.uint8).view(-1, 1, 1, 1).expand_as(chw))
+
+
+def test_threads_collating_at_once_get_buffers_of_their_own(monkeypatch):
+    local = batch_buffers.LocalBuffers()
+    local.tensor((batch_buffers.MIN_BYTES,), torch.uint8)  # one buffer, free again
+    both, pick = threading.Barrier(2, timeout=1), batch_buffers._pick
+
+    def picked_together(*args):  # two main-process loaders, in two threads
+        number = pick(*args)
+        try:
+            both.wait()
+        except threading.BrokenBarrierError:
+            pass
+        return number
+
+    monkeypatch.setattr(batch_buffers, "_pick", picked_together)
+    made, errors = [], []
+
+    def make() -> None:
+        try:
+            made.append(local.tensor((batch_buffers.MIN_BYTES,), torch.uint8))
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=make) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert errors == [] and len({t.data_ptr() for t in made}) == 2
 
 
 def _batches(urls: list[str], workers: int, context: str | None, keep: bool) -> list:
