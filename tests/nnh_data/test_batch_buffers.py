@@ -198,6 +198,22 @@ def test_threads_collating_at_once_get_buffers_of_their_own(monkeypatch):
     assert errors == [] and len({t.data_ptr() for t in made}) == 2
 
 
+def decode_pair(sample: dict) -> tuple:
+    """A decoded sample as a tuple: the batch is a list, which torch pickles itself."""
+    image = decode_image(sample)
+    return image["image"], image["cls"]
+
+
+@pytest.mark.timeout(120)
+def test_batches_that_leave_as_torch_sends_them_stay_as_they_were(tar_shards):
+    ds = ShardedStreamingDataset(tar_shards([150, 150, 150], size=8), decode=decode_pair, seed=3)
+    loader = streaming_loader(ds, 48, num_workers=2, multiprocessing_context="fork")
+    kept = [(images, cls) for _ in range(2) for images, cls in loader]  # each buffer retired
+    assert len(kept) > 2 * batch_buffers.BUFFERS
+    for images, cls in kept:
+        assert torch.equal(images, (cls % 251).to(torch.uint8).view(-1, 1, 1, 1).expand_as(images))
+
+
 def _batches(urls: list[str], workers: int, context: str | None, keep: bool) -> list:
     ds = ShardedStreamingDataset(urls, decode=decode_image, seed=3)
     kwargs = {"multiprocessing_context": context} if workers else {}
