@@ -53,6 +53,7 @@ class Pool:
         self.token = (os.getpid(), next(_serial))
         self.flags = torch.zeros(1 + BUFFERS, dtype=torch.uint8).share_memory_()
         self.buffers: list[torch.Tensor | None] = []  # None: retired (see _lost)
+        self._alone: list[int] = []  # users of each buffer's memory with no tensor over it
         self._freed, self._returns = os.pipe()
         os.set_blocking(self._freed, False)
         self._free: list[int] = []
@@ -69,7 +70,7 @@ class Pool:
         nbytes = _nbytes(shape, dtype)
         self._take_back()
         sizes = [0 if b is None else b.numel() for b in self.buffers]
-        number = _pick(self._free, sizes, nbytes)
+        number = _pick(self._unheld(), sizes, nbytes)
         if number is None:
             return None
         if number == len(sizes) or not nbytes <= sizes[number] <= 2 * nbytes:
@@ -86,9 +87,11 @@ class Pool:
         buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
         if number == len(self.buffers):
             self.buffers.append(buffer)
+            self._alone.append(0)
             self._free.append(number)
         else:
             self.buffers[number] = buffer
+        self._alone[number] = _users(buffer)
         self.flags[1 + number] = 0  # the receiver maps the new segment with the next message
 
     def placed(self, tensor: torch.Tensor) -> tuple | None:
@@ -117,6 +120,15 @@ class Pool:
         made = self._unsent.pop(serial, None)
         if made is not None:
             self._retired.append(made[0])
+
+    def _unheld(self) -> list[int]:
+        """The free buffers no tensor in this process is over: one a worker's code kept after
+        sending it (a collate_fn mixing in the last batch) is not written until it lets go."""
+        return [
+            i
+            for i in self._free
+            if self.buffers[i] is None or _users(self.buffers[i]) <= self._alone[i]
+        ]
 
     def _let_go(self) -> None:
         """At the worker's exit (``os._exit`` follows, which frees nothing): drop the segments,

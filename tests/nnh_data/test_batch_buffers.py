@@ -47,6 +47,21 @@ def test_a_buffer_is_written_again_only_after_the_receiver_lets_go():
     assert again is not None and again.data_ptr() == pointer  # given back: the same memory
 
 
+def test_a_batch_the_worker_keeps_is_not_written_over():
+    pool = batch_buffers.Pool()
+    shape = (batch_buffers.MIN_BYTES,)
+    kept = pool.tensor(shape, torch.uint8).fill_(5)  # a collate_fn keeping the last batch
+    received = batch_buffers.rebuild(*pool.placed(kept))
+    del received  # the receiver gives the buffer back
+    made = [pool.tensor(shape, torch.uint8) for _ in range(batch_buffers.BUFFERS)]
+    for tensor in made:
+        if tensor is not None:
+            tensor.fill_(9)
+    assert torch.equal(kept, torch.full(shape, 5, dtype=torch.uint8))
+    del kept
+    assert pool.tensor(shape, torch.uint8) is not None  # let go of: in use again
+
+
 def test_a_tensor_that_leaves_another_way_retires_its_buffer():
     pool = batch_buffers.Pool()
     shape = (batch_buffers.MIN_BYTES,)
