@@ -96,12 +96,13 @@ class Pool:
 
     def placed(self, tensor: torch.Tensor) -> tuple | None:
         """The arguments of :func:`rebuild` for a tensor :meth:`tensor` made (then sent: its
-        buffer stays in use until the receiver gives it back); None for any other tensor, and
-        for one with a view made since (a channel-first view beside it in the batch): torch
-        would send that view over the same segment and the receiver keep it after giving the
-        buffer back, so the buffer is retired instead, when the tensor is freed."""
+        buffer stays in use until the receiver gives it back); None for any other tensor, for
+        one laid out anew in place (the message gives only a shape), and for one with a view
+        made since (a channel-first view beside it in the batch): torch would send that view
+        over the same segment and the receiver keep it after giving the buffer back. The
+        buffer of a tensor not placed is retired when the tensor is freed."""
         made = self._unsent.get(self._serial_of.get(id(tensor), -1))
-        if made is None or _users(tensor) > made[1]:
+        if made is None or _users(tensor) > made[1] or not _as_made(tensor):
             return None
         number = self._unsent.pop(self._serial_of.pop(id(tensor)))[0]
         pipe = None if self.flags[0] else (self.flags, DupFd(self._returns))
@@ -197,6 +198,12 @@ def _pick(free: list[int], sizes: list[int], nbytes: int) -> int | None:
     if free:
         return free[0]
     return len(sizes) if len(sizes) < BUFFERS else None
+
+
+def _as_made(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is still laid out as :meth:`Pool.tensor` made it (the message gives
+    only its shape): not transposed or cut in place (``transpose_``, ``set_``)."""
+    return tensor.is_contiguous() and tensor.storage_offset() == 0
 
 
 def _users(tensor: torch.Tensor) -> int:

@@ -131,6 +131,16 @@ def _sent(pool: batch_buffers.Pool) -> torch.Tensor:
     return batch_buffers.rebuild(*pool.placed(pool.tensor((batch_buffers.MIN_BYTES,), torch.uint8)))
 
 
+def test_a_tensor_transposed_in_place_arrives_as_it_is():
+    pool = batch_buffers.Pool()
+    made = pool.tensor((4, 512, 1024), torch.uint8)
+    made.copy_(torch.arange(made.numel(), dtype=torch.uint8).view(made.shape))
+    made.transpose_(1, 2)  # a collate_fn's channel-first, in place: not contiguous
+    placed = pool.placed(made)
+    got = made if placed is None else batch_buffers.rebuild(*placed)
+    assert torch.equal(got, made)
+
+
 def test_other_tensors_are_not_placed():
     pool = batch_buffers.Pool()
     assert pool.placed(torch.zeros(3)) is None
