@@ -201,9 +201,10 @@ def _pick(free: list[int], sizes: list[int], nbytes: int) -> int | None:
 
 
 def _as_made(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is still laid out as :meth:`Pool.tensor` made it (the message gives
-    only its shape): not transposed or cut in place (``transpose_``, ``set_``)."""
-    return tensor.is_contiguous() and tensor.storage_offset() == 0
+    """Whether ``tensor`` is still as :meth:`Pool.tensor` made it (the message gives only its
+    dtype and shape): not transposed or cut in place (``transpose_``, ``set_``), no
+    ``requires_grad_()``."""
+    return tensor.is_contiguous() and tensor.storage_offset() == 0 and not tensor.requires_grad
 
 
 def _users(tensor: torch.Tensor) -> int:

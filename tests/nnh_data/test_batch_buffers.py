@@ -141,6 +141,13 @@ def test_a_tensor_transposed_in_place_arrives_as_it_is():
     assert torch.equal(got, made)
 
 
+def test_a_tensor_made_to_require_grad_in_place_still_does():
+    pool = batch_buffers.Pool()
+    made = pool.tensor((batch_buffers.MIN_BYTES // 4,), torch.float32).zero_().requires_grad_()
+    placed = pool.placed(made)
+    assert (made if placed is None else batch_buffers.rebuild(*placed)).requires_grad
+
+
 def test_other_tensors_are_not_placed():
     pool = batch_buffers.Pool()
     assert pool.placed(torch.zeros(3)) is None
