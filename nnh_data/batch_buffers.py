@@ -12,8 +12,10 @@ process maps each segment once, hands the batch out as a tensor over it with no 
 writes its number to a pipe the worker reads before it picks a buffer. So a batch the training
 loop keeps is never written over, and with no free buffer (the loop holds them all) the worker
 falls back to a new segment, as torch does. A tensor made in a buffer that leaves the worker
-some other way (pickled by torch, inside a structure the hand-off does not walk) retires its
-buffer: the worker never writes that segment again. The receiving process lets go of an
+some other way (pickled by torch, inside a structure the hand-off does not walk), or that is
+not sent as made (another view of it made since, laid out anew in place) retires its buffer:
+the worker never writes that segment again. Nor does it write a buffer given back while a
+tensor in the worker (a batch its code kept) is still over it. The receiving process lets go of an
 ended worker's buffers when a give-back finds it gone or another worker's first batch arrives.
 
 Without workers the same holds in one process (:class:`LocalBuffers`): a new batch of 38.5 MB
