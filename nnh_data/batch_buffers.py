@@ -15,8 +15,9 @@ falls back to a new segment, as torch does. A tensor made in a buffer that leave
 some other way (pickled by torch, inside a structure the hand-off does not walk), or that is
 not sent as made (another view of it made since, laid out anew in place) retires its buffer:
 the worker never writes that segment again. Nor does it write a buffer given back while a
-tensor in the worker (a batch its code kept) is still over it. The receiving process lets go of an
-ended worker's buffers when a give-back finds it gone or another worker's first batch arrives.
+tensor in the worker (a batch its code kept) is still over it. The receiving process lets go
+of an ended worker's buffers when a give-back finds it gone or another worker's first batch
+arrives.
 
 Without workers the same holds in one process (:class:`LocalBuffers`): a new batch of 38.5 MB
 is a new mapping, zero-filled by the kernel page by page, so a batch is stacked into a buffer

@@ -273,13 +273,16 @@ def test_batches_kept_by_the_loop_stay_as_they_were(tar_shards, context):
 
 
 @pytest.mark.timeout(240)
-def test_a_worker_reuses_a_few_buffers(tar_shards):
+def test_a_worker_reuses_a_few_buffers(tar_shards, monkeypatch):
     urls = tar_shards([200, 200, 200], size=8)
     before = set(batch_buffers._received)
+    rebuilt, rebuild = [], batch_buffers.rebuild
+    monkeypatch.setattr(batch_buffers, "rebuild", lambda *a: rebuilt.append(a) or rebuild(*a))
     got = _batches(urls, 2, "fork", keep=False)
     assert len(got) > 2 * batch_buffers.BUFFERS + 2
     pools = [entry[2] for token, entry in batch_buffers._received.items() if token not in before]
     assert pools and all(len(buffers) <= batch_buffers.BUFFERS for buffers in pools)
+    assert len(rebuilt) > len(pools) * batch_buffers.BUFFERS  # more batches than buffers
 
 
 def decode_image_only(sample: dict) -> dict:
