@@ -234,6 +234,8 @@ def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | N
     if torch.utils.data.get_worker_info() is None:
         _local = _local or LocalBuffers()
         return _local.tensor(shape, dtype)
+    if not hasattr(torch._C, "_storage_Use_Count"):  # a torch that cannot count views: its path
+        return None
     if _pool is None or _pool.token[0] != os.getpid():
         _pool = Pool()
     return _pool.tensor(shape, dtype)

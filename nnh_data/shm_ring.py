@@ -22,6 +22,7 @@ import itertools
 import math
 import os
 from collections.abc import Sequence
+from multiprocessing import util
 from multiprocessing.reduction import DupFd
 
 import numpy as np
@@ -56,11 +57,12 @@ class Ring:
         self._freed, self._returns = os.pipe()
         os.set_blocking(self._freed, False)
         self._free = list(range(SLOTS))
+        util.Finalize(self, self._let_go, exitpriority=-10)  # after the queue's feeder ends
 
     def put(self, arrays: Sequence[np.ndarray]) -> tuple | None:
         """Copy ``arrays`` into a free slot: the arguments of :func:`rebuild` for them, or None
         when no slot is free or they do not fit."""
-        if footprint(arrays) > self.slot_bytes:
+        if footprint(arrays) > self.slot_bytes or self.array is None:
             return None
         self._take_back()
         if not self._free:
@@ -74,6 +76,12 @@ class Ring:
             offset += -(-array.nbytes // _ALIGN) * _ALIGN
         sent = None if self.array[0] else (self.tensor, DupFd(self._returns))
         return self.token, sent, slot, places
+
+    def _let_go(self) -> None:
+        """At the worker's exit (``os._exit`` follows, which frees nothing): drop the segment,
+        which under torch's ``file_system`` sharing strategy stays in /dev/shm until every
+        process that holds it lets go (a non-persistent worker's ring every epoch)."""
+        self.tensor = self.array = None
 
     def _take_back(self) -> None:
         """Mark free the slots the receiver has written back."""

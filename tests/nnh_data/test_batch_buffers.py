@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nnh_data import ShardedStreamingDataset, batch_buffers, streaming_loader
+from nnh_data import ShardedStreamingDataset, batch_buffers, shm_ring, streaming_loader
 from nnh_data.handoff import collate_decoded
 
 SIDE = 96  # a decoded sample of 96x96x3 uint8 (27 KiB): batches of 48 are 1.3 MiB
@@ -290,9 +290,10 @@ def decode_image_only(sample: dict) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_ended_workers_leave_no_segment_under_the_file_system_strategy(tar_shards, tmp_path):
+@pytest.mark.parametrize("decode", [decode_image_only, decode_image], ids=["buffers", "ring"])
+def test_ended_workers_leave_no_segment_under_file_system_sharing(tar_shards, tmp_path, decode):
     pids = tmp_path / "pids"
-    ds = ShardedStreamingDataset(tar_shards([144, 144], size=8), decode=decode_image_only)
+    ds = ShardedStreamingDataset(tar_shards([144, 144], size=8), decode=decode)
     strategy = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")  # named in /dev/shm, refcounted
     try:
@@ -305,7 +306,9 @@ def test_ended_workers_leave_no_segment_under_the_file_system_strategy(tar_shard
             gc.collect()
     finally:
         torch.multiprocessing.set_sharing_strategy(strategy)
-    mapped = {token[0] for token in batch_buffers._received}  # the last epoch's workers
+    # the workers whose segments this process still maps (the last epoch's, and those it let go
+    # of only when a newer worker's first batch comes)
+    mapped = {token[0] for token in [*batch_buffers._received, *shm_ring._received]}
     ended = set(pids.read_text().split()) - {str(pid) for pid in mapped}
     assert len(ended) >= 4  # (one of the last may be let go of already)
     left = [n for n in os.listdir("/dev/shm") if n.split("_")[:2] in [["torch", p] for p in ended]]
