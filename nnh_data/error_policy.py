@@ -25,8 +25,8 @@ import torch
 from nnh_data.batching import ARROW, Columns, concat, num_rows, take
 from nnh_data.checks import check_choice
 from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError
-from nnh_data.shards import decode_shard_range, decode_tar_each
-from nnh_data.stages import LEFT_OUT, SAMPLES, SKIPPED, Rows
+from nnh_data.shards import decode_tar_each
+from nnh_data.stages import LEFT_OUT, SKIPPED, Rows
 
 __all__ = ["ON_ERROR", "ErrorPolicy"]
 
@@ -114,9 +114,6 @@ class ErrorPolicy:
         good = next((p for p in parts if not isinstance(p, int)), None)
         if good is None:
             return rows.from_samples([None] * (stop - start))
-        if rows is SAMPLES:
-            return [row for lo, hi, p in zip(bounds, bounds[1:], parts) for row in (
-                [None] * p if isinstance(p, int) else decode_shard_range(info, p, lo, hi))]
         flags = [flag for p in parts for flag in (
             [True] * p if isinstance(p, int) else [False] * num_rows(p))]  # fmt: skip
         columns = concat([_unreadable(good, p) if isinstance(p, int) else p for p in parts])

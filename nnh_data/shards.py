@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -327,17 +327,23 @@ def _tar_position(info: ShardInfo, offset: int) -> str:
 
 
 def decode_shard_columns(
-    info: ShardInfo, payload: bytes | Columns, start: int, stop: int
+    info: ShardInfo,
+    payload: bytes | Columns,
+    start: int,
+    stop: int,
+    from_samples: Callable[[list[dict]], Columns] = columns_of,
 ) -> Columns:
     """Samples ``[start, stop)`` as columns (:mod:`nnh_data.batching`), in shard order.
 
     Values are those of :func:`decode_shard_range`, except that Parquet columns come as read
     (numeric and boolean columns without nulls as numpy arrays, the others as Arrow arrays).
+    Tar samples that do not all have the first one's fields are made columns by
+    ``from_samples`` (by default ``None`` where a sample lacks a field).
     """
     if info.format == "parquet":
         return dict(payload)
     parsed = _parsed_tar(info, payload, start, stop, as_columns=True)
-    return columns_of(parsed.samples) if parsed.columns is None else parsed.columns
+    return from_samples(parsed.samples) if parsed.columns is None else parsed.columns
 
 
 def iter_shard_samples(

@@ -200,10 +200,7 @@ class SourceReader:
         try:
             if isinstance(payload, ShardError):
                 raise payload
-            if rows is stages.SAMPLES:
-                out = list(decode_shard_range(info, payload, start, stop))
-            else:
-                out = decode_shard_columns(info, payload, start, stop)
+            out = decode_shard_columns(info, payload, start, stop, rows.from_samples)
         except ShardError as exc:
             if cached is not None and cached.copy_failed(info):
                 meter.add(RETRIES, 1)

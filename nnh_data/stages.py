@@ -5,9 +5,10 @@ plan -> read -> assemble [-> mix] -> parameters -> count, each a plain function 
 - plan (:func:`read_plan`, :func:`pad_plan`): the read blocks ``(shard, start, stop, concat
   start)`` that cover a worker's epoch positions: the windows they touch, in concat order, in
   pieces of bounded size; then one block per pad.
-- read: each block fetched (in a read-ahead thread) and decoded into rows. Rows are a list of
-  sample dicts (``None`` for an unreadable sample) or :mod:`nnh_data.batching` columns; a
-  :class:`Rows` says how to cut, join, take and label either, so every stage serves both modes.
+- read: each block fetched (in a read-ahead thread) and decoded into rows: :mod:`nnh_data.
+  batching` columns (unreadable samples flagged in :data:`SKIPPED`); a :class:`Rows` says how
+  to cut, join, take and label them, as Arrow arrays for batches or as Python values for
+  samples built at hand-out.
 - assemble (:func:`assemble`): per window, the rows of the concat range it covers taken in
   epoch order, as a :class:`Part` with its labels (``__index__``, ``__pad__``).
 - mix (:func:`mix`, several sources only): rows of the sources' part streams interleaved in
@@ -24,7 +25,6 @@ A window's samples are handed out from a stack, so counting costs nothing per sa
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import chain, compress, repeat
@@ -39,7 +39,6 @@ from nnh_data.order import EpochOrder, Intervals, coalesce
 __all__ = [
     "COLUMNS",
     "LEFT_OUT",
-    "SAMPLES",
     "SKIPPED",
     "VALUE_COLUMNS",
     "Block",
@@ -66,12 +65,6 @@ _DONE = object()  # the bottom of a hand-out stack
 LEFT_OUT = object()  # what a ``finish`` function returns for an item it leaves out
 
 
-def _label_samples(rows: list, name: str, value: Any) -> list:
-    # C-level passes: no Python loop body per sample (a None row is an unreadable sample)
-    deque(map(dict.__setitem__, filter(None, rows), repeat(name), repeat(value)), 0)
-    return rows
-
-
 def _label_columns(rows: Columns, name: str, value: Any) -> Columns:
     rows[name] = [value] * batching.num_rows(rows)
     return rows
@@ -79,6 +72,22 @@ def _label_columns(rows: Columns, name: str, value: Any) -> Columns:
 
 def _columns_of_samples(samples: list) -> Columns:
     cols = batching.columns_of([s or {} for s in samples])
+    if None in samples:
+        cols[SKIPPED] = [s is None for s in samples]
+    return cols
+
+
+def _value_columns_of_samples(samples: list) -> Columns:
+    """:func:`_columns_of_samples` for samples built again at hand-out: a field that a sample
+    lacks is :data:`_ABSENT` there and its row flagged in :data:`_ABSENT_ROWS`, so the sample
+    comes out without it (tar samples of different fields)."""
+    readable = [s or {} for s in samples]
+    names = dict.fromkeys(chain.from_iterable(readable))
+    lacking = [len(s) < len(names) for s in readable]
+    if not any(lacking):
+        return _columns_of_samples(samples)
+    cols = {name: [s.get(name, _ABSENT) for s in readable] for name in names}
+    cols[_ABSENT_ROWS] = lacking
     if None in samples:
         cols[SKIPPED] = [s is None for s in samples]
     return cols
@@ -103,7 +112,7 @@ def _joined_values(parts: list[Columns]) -> Columns:
 
 @dataclass(frozen=True)
 class Rows:
-    """How a stage handles one kind of rows: sample lists or columns."""
+    """How a stage handles one kind of rows (columns for batches, or for samples)."""
 
     size: Callable[[Any], int]
     cut: Callable[[Any, int, int], Any]
@@ -114,14 +123,6 @@ class Rows:
     arrow: bool = False  # Parquet columns kept as Arrow arrays, not lists of Python values
 
 
-SAMPLES = Rows(
-    size=len,
-    cut=lambda rows, a, b: rows[a:b],
-    join=lambda pieces: list(chain.from_iterable(pieces)),
-    take=lambda rows, idx: list(map(rows.__getitem__, idx.tolist())),
-    label=_label_samples,
-    from_samples=list,
-)
 COLUMNS = Rows(
     size=batching.num_rows,
     cut=batching.cut,
@@ -131,9 +132,11 @@ COLUMNS = Rows(
     from_samples=_columns_of_samples,
     arrow=True,
 )
-# Columns of Python values, built into samples at hand-out (per-sample Parquet): converting
-# a block's values while it is in cache, then gathering references, beats dicts per row read.
-VALUE_COLUMNS = replace(COLUMNS, join=_joined_values, arrow=False)
+# Columns of Python values, built into samples at hand-out (per-sample passes): converting a
+# block's values while it is in cache, then gathering references, beats a dict per row read
+# and held in a window (fewer objects for the cyclic collector to walk, too).
+VALUE_COLUMNS = replace(COLUMNS, join=_joined_values, from_samples=_value_columns_of_samples,
+                        arrow=False)  # fmt: skip
 
 
 @dataclass
@@ -327,9 +330,9 @@ def mix(streams: list[Iterator[Part]], chunks: Iterable[np.ndarray], rows: Rows)
     stream of every row of one part, in order (each stream is read in its own order).
 
     Example:
-        >>> a = iter([Part([1, 2, 3], {"__index__": np.arange(3)}, np.arange(3))])
-        >>> b = iter([Part([10, 20], {"__index__": np.arange(2)}, np.arange(2))])
-        >>> [p.rows for p in mix([a, b], [np.array([0, 1, 0]), np.array([1, 0])], SAMPLES)]
+        >>> a = iter([Part({"x": [1, 2, 3]}, {"__index__": np.arange(3)}, np.arange(3))])
+        >>> b = iter([Part({"x": [10, 20]}, {"__index__": np.arange(2)}, np.arange(2))])
+        >>> [p.rows["x"] for p in mix([a, b], [np.array([0, 1, 0]), np.array([1, 0])], COLUMNS)]
         [[1, 10, 2], [20, 3]]
     """
     cursors = [_PartCursor(iter(s), rows) for s in streams]
@@ -391,35 +394,23 @@ def hand_out_samples(
 
 
 def _whole_samples(part: Part) -> tuple[list, list[dict]]:
-    """The part's samples with their labels and ``__aug__`` set, ``None`` where unreadable
-    (those of a sample list are labelled in place, those of columns built here, in one pass
-    per part), and what ``skipped`` is told of each unreadable one, in order."""
+    """The part's samples built from its columns with their labels and ``__aug__``, in one
+    pass per part, ``None`` where unreadable, and what ``skipped`` is told of each unreadable
+    one, in order."""
     labels = _label_lists(part)
-    if isinstance(part.rows, dict):
-        columns = dict(part.rows)
-        flags, lacking = columns.pop(SKIPPED, None), columns.pop(_ABSENT_ROWS, None)
-        columns.update(labels)
-        samples = batching.rows_of(list(columns), list(map(batching.as_list, columns.values())))
-        for i in [] if lacking is None else compress(range(len(samples)), lacking):
-            samples[i] = {k: v for k, v in samples[i].items() if v is not _ABSENT}
-        missing = [] if flags is None else list(compress(range(len(samples)), flags))
-        for i in missing:
-            samples[i] = None
-    else:
-        samples = part.rows
-        missing = [i for i, s in enumerate(samples) if s is None] if None in samples else []
-        readable = samples if not missing else list(filter(None, samples))
-        for name, values in labels.items():  # C-level passes, no Python loop body per sample
-            kept = values if not missing else compress(values, map(_is_not_none, samples))
-            deque(map(dict.__setitem__, readable, repeat(name), kept), 0)
+    columns = dict(part.rows)
+    flags, lacking = columns.pop(SKIPPED, None), columns.pop(_ABSENT_ROWS, None)
+    columns.update(labels)
+    samples = batching.rows_of(list(columns), list(map(batching.as_list, columns.values())))
+    for i in [] if lacking is None else compress(range(len(samples)), lacking):
+        samples[i] = {k: v for k, v in samples[i].items() if v is not _ABSENT}
+    missing = [] if flags is None else list(compress(range(len(samples)), flags))
+    for i in missing:
+        samples[i] = None
     if not missing:
         return samples, []
     names = ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
     return samples, [{n: labels[n][i] for n in names} for i in missing]
-
-
-def _is_not_none(value: Any) -> bool:
-    return value is not None
 
 
 def _label_lists(part: Part) -> dict[str, list]:

@@ -190,8 +190,6 @@ class ShardedStreamingDataset(IterableDataset):
             readahead=self.readahead, cache=self.cache, cache_prefetch=self.cache_prefetch,
         )  # fmt: skip
         self._fingerprint = _fingerprint(self.sources, indexes, self._counts, self._mixed)
-        # Parquet samples are built from columns at hand-out (stages.VALUE_COLUMNS)
-        self._columnar = all(info.format == "parquet" for info in self.index.shards)
         self._loader_batch = 1
         self._pending: dict | None = None
         self._pass: _Pass | None = None
@@ -373,10 +371,8 @@ class ShardedStreamingDataset(IterableDataset):
         plan = worker_plan(base, self.world_size, self.rank, num_workers, worker, self.uneven,
                            consumed, self._unit)  # fmt: skip
         self._check_precomputed()
-        if self.batch_size is not None or rows:
-            kind = stages.COLUMNS
-        else:
-            kind = stages.VALUE_COLUMNS if self._columnar else stages.SAMPLES
+        # batches and rows taken as columns; samples built from columns at hand-out
+        kind = stages.COLUMNS if self.batch_size is not None or rows else stages.VALUE_COLUMNS
         columns = functools.partial(self._columns, run.meter, epoch=run.epoch)
         parts = stages.with_parameters(self._parts(plan, kind, run), columns)
         if rows:

@@ -12,10 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from nnh_data.batching import as_list
 from nnh_data.error_policy import ErrorPolicy
 from nnh_data.shard_index import ShardError, StaleIndexError
 from nnh_data.shards import build_shard_index, fetch_shard_range
-from nnh_data.stages import COLUMNS, LEFT_OUT, SAMPLES, SKIPPED
+from nnh_data.stages import COLUMNS, LEFT_OUT, SKIPPED, VALUE_COLUMNS
 from tests.support import run_forked
 
 URLS = ["s3://b/a.tar", "s3://b/b.tar"]
@@ -107,11 +108,19 @@ def test_a_tar_block_keeps_every_sample_but_the_damaged_one(tar_shards):
     error = ShardError(url, "sample 2", "bad tar header checksum")
     errors = ErrorPolicy("skip", [url], torch.zeros(1, dtype=torch.int64))
     with pytest.warns(UserWarning, match=f"sample 2, byte {at}"):
-        rows = errors.salvaged(info, payload, 0, 6, error, SAMPLES)
-    assert [r and r["__key__"] for r in rows] == ["00000000", "00000001", None, "00000003",
-                                                  "00000004", "00000005"]  # fmt: skip
+        rows = errors.salvaged(info, payload, 0, 6, error, VALUE_COLUMNS)
+    assert _readable(rows, "__key__") == ["00000000", "00000001", None, "00000003", "00000004",
+                                          "00000005"]  # fmt: skip
     with pytest.raises(ShardError):
-        ErrorPolicy("raise", [url], torch.zeros(1)).salvaged(info, payload, 0, 6, error, SAMPLES)
+        ErrorPolicy("raise", [url], torch.zeros(1)).salvaged(
+            info, payload, 0, 6, error, VALUE_COLUMNS
+        )
+
+
+def _readable(columns: dict, name: str) -> list:
+    """Column ``name`` of salvaged rows, None where a row is flagged unreadable."""
+    flags = columns.get(SKIPPED, [False] * len(columns[name]))
+    return [None if skipped else v for v, skipped in zip(as_list(columns[name]), flags)]
 
 
 @pytest.fixture
@@ -133,8 +142,8 @@ def test_a_parquet_block_is_read_again_one_row_group_at_a_time(parquet_info):
     error = ShardError(info.url, "row group 0 (sample 5)", "unreadable Parquet file")
     errors = ErrorPolicy("skip", [info.url], torch.zeros(1, dtype=torch.int64))
     with pytest.warns(UserWarning, match=r"row group 1 \(sample 10\)"):
-        rows = errors.salvaged(info, error, 5, 25, error, SAMPLES, _fetch_but_group_one)
-    assert [r and r["id"] for r in rows] == [*range(5, 10), *[None] * 10, *range(20, 25)]
+        rows = errors.salvaged(info, error, 5, 25, error, VALUE_COLUMNS, _fetch_but_group_one)
+    assert _readable(rows, "id") == [*range(5, 10), *[None] * 10, *range(20, 25)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         columns = errors.salvaged(info, error, 5, 25, error, COLUMNS, _fetch_but_group_one)
@@ -143,5 +152,5 @@ def test_a_parquet_block_is_read_again_one_row_group_at_a_time(parquet_info):
     kept = errors.readable({**columns, "__shard__": [info.url] * 20})
     assert kept["id"].tolist() == [*range(5, 10), *range(20, 25)]
     assert errors.counts() == {info.url: 10}
-    nothing = errors.salvaged(info, error, 10, 20, error, SAMPLES, _fetch_but_group_one)
-    assert nothing == [None] * 10
+    nothing = errors.salvaged(info, error, 10, 20, error, VALUE_COLUMNS, _fetch_but_group_one)
+    assert nothing == {SKIPPED: [True] * 10}

@@ -17,7 +17,7 @@ from nnh_data.mixing import SourceDraws
 from nnh_data.shard_index import ShardError
 from nnh_data.shards import build_shard_index
 from nnh_data.source_reader import SourceReader
-from nnh_data.stages import COLUMNS, SAMPLES
+from nnh_data.stages import COLUMNS, SKIPPED, VALUE_COLUMNS
 from tests.support import sample_bytes
 
 COUNTS = [5, 0, 7]
@@ -31,21 +31,18 @@ def reader(urls, *, draws=12, on_error="raise", **kwargs) -> SourceReader:
                         **kwargs)  # fmt: skip
 
 
-def rows_and_labels(parts, rows=SAMPLES) -> tuple[list, list]:
+def rows_and_labels(parts) -> tuple[list, list]:
     parts = list(parts)
-    if rows is COLUMNS:
-        got = [g for p in parts for g in zip(p.rows["__key__"], p.rows["bin"], strict=True)]
-    else:
-        got = [(r["__key__"], r["bin"]) for p in parts for r in p.rows]
+    got = [g for p in parts for g in zip(p.rows["__key__"], p.rows["bin"], strict=True)]
     labels = [(int(i), bool(pad), int(k)) for p in parts
               for i, pad, k in zip(p.labels["__index__"], p.labels["__pad__"], p.keys)]  # fmt: skip
     return got, labels
 
 
-@pytest.mark.parametrize("rows", [SAMPLES, COLUMNS])
+@pytest.mark.parametrize("rows", [VALUE_COLUMNS, COLUMNS])
 def test_parts_hold_the_draws_in_order_then_the_pads(tar_shards, rows):
     source = reader(tar_shards(COUNTS))
-    got, labels = rows_and_labels(source.parts(1, [(2, 9)], [0, 11], rows), rows)
+    got, labels = rows_and_labels(source.parts(1, [(2, 9)], [0, 11], rows))
     ids, _ = source.draws.sample_ids(1, 2, 9)
     pads = [int(source.draws.sample_ids(1, j, j + 1)[0][0]) for j in (0, 11)]
     assert [i for i, _, _ in labels] == [*ids.tolist(), *pads]
@@ -57,7 +54,7 @@ def test_parts_hold_the_draws_in_order_then_the_pads(tar_shards, rows):
 def test_mixing_offsets_the_keys_and_keys_repeats_apart(tar_shards):
     source = reader(tar_shards(COUNTS), draws=30, key_offset=100, key_stride=1000,
                     labels={"__source__": "b"}, repeats=True)  # fmt: skip
-    parts = list(source.parts(0, [(0, 30)], [], SAMPLES))
+    parts = list(source.parts(0, [(0, 30)], [], VALUE_COLUMNS))
     ids = np.concatenate([p.labels["__index__"] for p in parts])
     repeat = np.concatenate([p.labels["__repeat__"] for p in parts])
     keys = np.concatenate([p.keys for p in parts])
@@ -85,12 +82,13 @@ def test_an_unreadable_sample_is_an_empty_row_under_skip(tar_shards):
         f.seek(at + 148)
         f.write(b"7777777\0")
     with pytest.warns(UserWarning, match=f"sample 3, byte {at}"):
-        parts = list(source.parts(0, [(0, 12)], [], SAMPLES))
-    rows = {int(i): r for p in parts for i, r in zip(p.labels["__index__"], p.rows)}
-    assert sorted(rows) == list(range(12))
-    assert [i for i, r in rows.items() if r is None] == [8]
+        parts = list(source.parts(0, [(0, 12)], [], VALUE_COLUMNS))
+    skipped = {int(i): bool(flag) for p in parts
+               for i, flag in zip(p.labels["__index__"], p.rows.get(SKIPPED, [False] * 12))}
+    assert sorted(skipped) == list(range(12))
+    assert [i for i, flag in skipped.items() if flag] == [8]
     with pytest.raises(ShardError, match="bad tar header checksum"):
-        list(reader(urls).parts(0, [(0, 12)], [], SAMPLES))
+        list(reader(urls).parts(0, [(0, 12)], [], VALUE_COLUMNS))
 
 
 def test_a_local_shard_gone_since_indexing_is_named_with_its_position(tar_shards):
@@ -101,4 +99,4 @@ def test_a_local_shard_gone_since_indexing_is_named_with_its_position(tar_shards
     os.remove(urls[2])
     gone = rf"{re.escape(urls[2])}: unreadable \(.*No such file.*\(at sample \d+"
     with pytest.raises(ShardError, match=gone):
-        list(source.parts(0, [(0, 12)], [], SAMPLES))
+        list(source.parts(0, [(0, 12)], [], VALUE_COLUMNS))

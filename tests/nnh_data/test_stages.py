@@ -40,7 +40,7 @@ def test_read_plan_covers_the_windows_of_the_positions_in_concat_order(window, s
         assert 0 <= a < b <= COUNTS[shard]
 
 
-@pytest.mark.parametrize("rows", [stages.SAMPLES, stages.COLUMNS], ids=["samples", "columns"])
+@pytest.mark.parametrize("rows", [stages.VALUE_COLUMNS, stages.COLUMNS], ids=["values", "columns"])
 @pytest.mark.parametrize("window", [0, 4])
 def test_assemble_gives_each_position_its_sample_then_the_pads(rows, window):
     order = EpochOrder(COUNTS, seed=5, window=window)
@@ -51,7 +51,7 @@ def test_assemble_gives_each_position_its_sample_then_the_pads(rows, window):
                                  len(plan.pads), rows))  # fmt: skip
     got = []
     for part in parts:
-        g = [s["g"] for s in part.rows] if rows is stages.SAMPLES else part.rows["g"]
+        g = part.rows["g"]
         assert list(g) == part.labels["__index__"].tolist() == part.keys.tolist()
         got += [(x, bool(p)) for x, p in zip(g, part.labels["__pad__"])]
     positions = np.concatenate([np.arange(a, b) for a, b in plan.positions])
@@ -60,7 +60,7 @@ def test_assemble_gives_each_position_its_sample_then_the_pads(rows, window):
     assert got == expected
 
 
-@pytest.mark.parametrize("rows", [stages.SAMPLES, stages.COLUMNS], ids=["samples", "columns"])
+@pytest.mark.parametrize("rows", [stages.VALUE_COLUMNS, stages.COLUMNS], ids=["values", "columns"])
 @pytest.mark.parametrize("positions", [[(0, 3)], [(2, 6)], [(5, 9), (13, 14)]])
 def test_pads_after_a_window_read_in_part_are_their_own_samples(rows, positions):
     # the last window is read whole but only partly needed: its rest is not the pads' rows
@@ -68,7 +68,7 @@ def test_pads_after_a_window_read_in_part_are_their_own_samples(rows, positions)
     blocks = list(stages.read_plan(order, positions, 4, pairs)) + list(stages.pad_plan(order, [1]))
     parts = list(stages.assemble(decoded(order, blocks, rows), order, positions, 4, 1, rows))
     pad = parts[-1]
-    g = [s["g"] for s in pad.rows] if rows is stages.SAMPLES else pad.rows["g"]
+    g = pad.rows["g"]
     assert list(g) == pad.labels["__index__"].tolist() == order.sample_ids(np.array([1])).tolist()
 
 
@@ -83,7 +83,7 @@ def make_parts(samples_per_part: list[list[dict | None]]) -> list[stages.Part]:
         ids = np.arange(first, first + len(rows), dtype=np.int64)
         first += len(rows)
         labels = {"__index__": ids, "__pad__": np.zeros(len(rows), bool)}
-        parts.append(stages.Part(rows, labels, ids))
+        parts.append(stages.Part(stages.VALUE_COLUMNS.from_samples(rows), labels, ids))
     return list(stages.with_parameters(parts, lambda ids: {"twice": ids * 2}))
 
 
@@ -125,4 +125,6 @@ def test_columns_flag_unreadable_rows():
     cols = stages.COLUMNS.from_samples([{"a": 1}, None])
     assert cols[stages.SKIPPED] == [False, True] and cols["a"] == [1, None]
     assert stages.COLUMNS.label(cols, "u", "x")["u"] == ["x", "x"]
-    assert stages.SAMPLES.label([{"a": 1}, None], "u", "x") == [{"a": 1, "u": "x"}, None]
+    values = stages.VALUE_COLUMNS.from_samples([{"a": 1, "b": 2}, {"a": 3}, None])
+    assert values[stages.SKIPPED] == [False, False, True] and values["a"][:2] == [1, 3]
+    assert values["b"][0] == 2 and values["b"][1] is not None  # absent, not None: left out

@@ -22,7 +22,7 @@ from nnh_data.mixing import Source
 from nnh_data.shards import ShardError, build_shard_index
 from nnh_data.streaming import ShardedStreamingDataset
 from nnh_data.topology import dist_info
-from tests.support import simulated
+from tests.support import simulated, write_tar
 
 LAYOUTS = {"uneven": [7, 1, 12, 3], "empty": [5, 0, 6, 0, 0], "one": [9], "few": [4, 3]}
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -192,6 +192,26 @@ def test_parquet_samples_hold_their_own_files_columns(tmp_path, mixed):
     if not mixed:
         assert list(samples[0]) == ["id", *fields[samples[0]["id"]][1:], "__key__",
                                     "__shard__", "__index__", "__pad__", "__aug__"]  # fmt: skip
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["one", "mixed"])
+def test_tar_samples_of_different_fields_keep_only_their_own(tmp_path, mixed):
+    # every tar sample comes with the fields it has (none added as None), also when the
+    # samples of a block, of a window or of the mixed sources differ
+    samples = [{"__key__": f"k{g:03d}", "cls": b"%d" % g, **({"jpg": b"j"} if g % 3 else {}),
+                **({"txt": b"t"} if g % 4 == 1 else {})} for g in range(40)]  # fmt: skip
+    urls = []
+    for i, part in enumerate((samples[:25], samples[25:])):
+        write_tar(tmp_path / f"h-{i}.tar", part, pax=False)
+        urls.append(str(tmp_path / f"h-{i}.tar"))
+    source = [Source(build_shard_index([u])) for u in urls] if mixed else urls
+    got = list(ShardedStreamingDataset(source, seed=1))
+    own = {s["__key__"]: set(s) for s in samples}
+    assert sorted(s["__key__"] for s in got) == sorted(own)
+    for sample in got:
+        fields = {k for k in sample if not k.startswith("__") or k == "__key__"}
+        assert fields == own[sample["__key__"]], sample["__key__"]
+        assert None not in sample.values()
 
 
 def test_webdataset_shardwriter_and_pyarrow_interop(tmp_path):
