@@ -76,7 +76,7 @@ class Pool:
         number = _pick(self._unheld(), sizes, nbytes)
         if number is None:
             return None
-        if number == len(sizes) or not nbytes <= sizes[number] <= 2 * nbytes:
+        if number == len(sizes) or not _fits(sizes[number], nbytes):
             self._new_buffer(number, nbytes)
         self._free.remove(number)
         tensor = self.buffers[number][:nbytes].view(dtype).view(shape)
@@ -185,7 +185,7 @@ class LocalBuffers:
         if number == len(self.buffers):
             self.buffers.append(np.empty(nbytes, np.uint8))
             self._free.append(number)
-        elif not nbytes <= sizes[number] <= 2 * nbytes:
+        elif not _fits(sizes[number], nbytes):
             self.buffers[number] = np.empty(nbytes, np.uint8)
         self._free.remove(number)
         return number
@@ -195,12 +195,17 @@ def _pick(free: list[int], sizes: list[int], nbytes: int) -> int | None:
     """The buffer for ``nbytes``: a free one of that size to twice it, else a new one (a free
     one to be made to measure, or one more while there are fewer than :data:`BUFFERS`); None
     when every buffer is in use."""
-    fits = [i for i in free if nbytes <= sizes[i] <= 2 * nbytes]
+    fits = [i for i in free if _fits(sizes[i], nbytes)]
     if fits:
         return fits[0]
     if free:
         return free[0]
     return len(sizes) if len(sizes) < BUFFERS else None
+
+
+def _fits(size: int, nbytes: int) -> bool:
+    """Whether a buffer of ``size`` bytes is reused for ``nbytes`` (not more than twice them)."""
+    return nbytes <= size <= 2 * nbytes
 
 
 def _as_made(tensor: torch.Tensor) -> bool:
