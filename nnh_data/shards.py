@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO
@@ -54,6 +55,7 @@ __all__ = [
     "split_shard_range",
 ]
 
+_BUFFER_STEP = 64 << 10  # read buffers are made in multiples of this
 _CHUNK_BYTES = 16 << 20  # a decoded piece holds its bytes twice (payload and samples)
 
 
@@ -106,6 +108,7 @@ class ShardReader:
         self._parquet = ParquetReader(storage_options, nullable, arrow)
         self._failed: dict[str, ShardError] = {}  # remote shards whose reads gave up
         self._local: tuple[str, BinaryIO | None] | None = None  # the tar shard being read
+        self._buffers: list[bytearray] = []  # read buffers of fetch_block, reused when free
 
     def fetch(
         self, info: ShardInfo, start: int, stop: int, file: BinaryIO | None = None
@@ -128,9 +131,22 @@ class ShardReader:
                 self._failed[info.url] = exc
             raise
 
+    def fetch_block(self, info: ShardInfo, start: int, stop: int) -> bytes | memoryview | Columns:
+        """:meth:`fetch` for a pass that is done with each block before it reads the next: a
+        local tar range comes as a view of one of this reader's read buffers, reused once
+        nothing holds its last view, instead of new memory per block, which the kernel maps and
+        zero-fills page by page (20,000 page faults and 12-15% of the CPU of a pass over 100,000
+        samples of 3 KiB). A view is valid while it is held: a buffer with a view alive (a
+        read-ahead thread's blocks in flight, a block kept) is never read into."""
+        check_int("start", start, low=0, high=info.num_samples)
+        check_int("stop", stop, low=start, high=info.num_samples)
+        if info.format != "tar" or not is_local(info.url):
+            return self.fetch(info, start, stop)
+        return self._read(info, start, stop, None, reuse=True)
+
     def _read(
-        self, info: ShardInfo, start: int, stop: int, file: BinaryIO | None
-    ) -> bytes | Columns:
+        self, info: ShardInfo, start: int, stop: int, file: BinaryIO | None, reuse: bool = False
+    ) -> bytes | memoryview | Columns:
         if info.format == "parquet":
             return self._parquet.read(info, start, stop, file)
         low, high = int(info.offsets[start]), int(info.offsets[stop])
@@ -141,7 +157,9 @@ class ShardReader:
             return b""
         try:
             file = file or self._local_file(info.url)
-            if file is not None:
+            if file is not None and reuse:
+                data = self._read_into_buffer(file.fileno(), end - low, low)
+            elif file is not None:
                 data = os.pread(file.fileno(), end - low, low)
             else:
                 fs, path = remote_fs(info.url, self.storage_options)
@@ -152,6 +170,19 @@ class ShardReader:
             position = _tar_position(info, low + len(data))
             raise ShardError(info.url, position, "truncated tar (unexpected end of file)")
         return data
+
+    def _read_into_buffer(self, fd: int, size: int, offset: int) -> memoryview:
+        """Up to ``size`` bytes at ``offset`` read into a free buffer (one no view holds: its
+        only references are this reader's list and the argument of ``getrefcount``), a view of
+        them."""
+        buffers = self._buffers
+        free = (i for i in range(len(buffers)) if sys.getrefcount(buffers[i]) <= 2)
+        number = next(free, len(buffers))
+        if number == len(buffers) or len(buffers[number]) < size:
+            buffer = bytearray(-(-size // _BUFFER_STEP) * _BUFFER_STEP)  # a shard's last block
+            buffers[number : number + 1] = [buffer]  # reads the end marker too: a little more
+        view = memoryview(buffers[number])[:size]
+        return view[: os.preadv(fd, [view], offset)]
 
     def _local_file(self, url: str) -> BinaryIO | None:
         """The tar shard at ``url`` opened, when it is a file on the local disk (kept open
@@ -226,7 +257,9 @@ def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> list[dict
     return _parsed_tar(info, buf, start, stop, as_columns=False).samples
 
 
-def _parsed_tar(info: ShardInfo, buf: bytes, start: int, stop: int, as_columns: bool) -> Parsed:
+def _parsed_tar(
+    info: ShardInfo, buf: bytes | memoryview, start: int, stop: int, as_columns: bool
+) -> Parsed:
     """Samples ``[start, stop)`` parsed (:func:`parse_samples`), checked against the index."""
     base = int(info.offsets[start])
     buf, size, offsets = _tar_payload(info, buf, start, stop)
@@ -249,8 +282,8 @@ def _parsed_tar(info: ShardInfo, buf: bytes, start: int, stop: int, as_columns: 
 
 
 def _tar_payload(
-    info: ShardInfo, buf: bytes, start: int, stop: int
-) -> tuple[bytes, int, np.ndarray]:
+    info: ShardInfo, buf: bytes | memoryview, start: int, stop: int
+) -> tuple[bytes | memoryview, int, np.ndarray]:
     """Samples ``[start, stop)`` as read (:meth:`ShardReader.fetch`): the bytes without the
     index's gaps (damaged spans of a salvaged shard), how many of them hold the samples (the
     block read after the shard's last sample must be the end-of-archive marker), and the
@@ -266,7 +299,9 @@ def _tar_payload(
     return buf, size, offsets
 
 
-def _without_gaps(info: ShardInfo, buf: bytes, offsets: np.ndarray) -> tuple[bytes, np.ndarray]:
+def _without_gaps(
+    info: ShardInfo, buf: bytes | memoryview, offsets: np.ndarray
+) -> tuple[bytes, np.ndarray]:
     """``buf`` (read from ``offsets[0]``) with the gaps inside it cut out, and ``offsets``
     moved by the gap bytes before each."""
     low, high = int(offsets[0]), int(offsets[-1])
@@ -328,7 +363,7 @@ def _tar_position(info: ShardInfo, offset: int) -> str:
 
 def decode_shard_columns(
     info: ShardInfo,
-    payload: bytes | Columns,
+    payload: bytes | memoryview | Columns,
     start: int,
     stop: int,
     from_samples: Callable[[list[dict]], Columns] = columns_of,

@@ -93,14 +93,20 @@ class SourceReader:
         runs, singles = self._runs(epoch, draws, pads)
         blocks = self._blocks(runs, singles)
         reader = ShardReader(self.storage_options, self.nullable, arrow=rows.arrow)
-        fetch, cached = reader.fetch, None
+        # blocks come in the reader's reused buffers (each decoded before the next is asked
+        # for); a salvage reads its pieces anew with ``fetch``, in this thread: with a
+        # read-ahead thread on ``reader``, through a reader of its own
+        read_block, cached = reader.fetch_block, None
+        fetch = reader.fetch if not self.readahead else ShardReader(
+            self.storage_options, self.nullable, arrow=rows.arrow).fetch  # fmt: skip
         if self.cache is not None and not is_local(self.index.shards[0].url):
             upcoming = self._blocks(*self._runs(epoch + 1, *following)) if following else ()
             cached = CachedPass(self.cache, reader, self.index.shards, list(blocks), upcoming,
                                 prefetch=self.cache_prefetch, num_workers=num_workers)  # fmt: skip
             blocks, fetch = cached.blocks(), cached.fetch
+            read_block = fetch
         remote = not is_local(self.index.shards[0].url)
-        read = functools.partial(self._fetch, fetch, meter.reads(), remote, cached)
+        read = functools.partial(self._fetch, read_block, meter.reads(), remote, cached)
         fetched = read_ahead(read, blocks, self.readahead)
         decoded = (
             (b[3], self._rows_of(b, payload, rows, fetch, cached, meter)) for b, payload in fetched
@@ -207,6 +213,8 @@ class SourceReader:
                 remote = cached.fetch_remote
                 again = self._fetch(remote, meter.reads(), True, None, block)
                 return self._rows_of(block, again, rows, remote, None, meter)
+            if isinstance(payload, memoryview):  # a reused buffer: salvaged values are bytes
+                payload = payload.tobytes()
             out = self.errors.salvaged(info, payload, start, stop, exc, rows, fetch)
         meter.add(DECODE_NS, time.perf_counter_ns() - began)
         return rows.label(out, "__shard__", info.url)

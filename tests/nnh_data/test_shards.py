@@ -13,6 +13,7 @@ import webdataset as wds
 
 from nnh_data.shards import (
     ShardError,
+    ShardReader,
     build_shard_index,
     decode_shard_range,
     fetch_shard_range,
@@ -44,6 +45,28 @@ def test_tar_ranges_match_the_whole_shard(tar_shards):
     for start, stop in [(0, 10), (3, 4), (9, 10), (5, 5), (2, 8)]:
         payload = fetch_shard_range(info, start, stop)
         assert list(decode_shard_range(info, payload, start, stop)) == every[start:stop]
+
+
+def test_fetch_block_reads_into_a_buffer_only_once_its_views_are_let_go(tar_shards):
+    (path,) = tar_shards([40], size=3000)
+    info = build_shard_index(path).shards[0]
+    reader = ShardReader()
+    first = reader.fetch_block(info, 0, 10)
+    second = reader.fetch_block(info, 10, 20)  # the first is held: another buffer
+    assert bytes(first) == fetch_shard_range(info, 0, 10)
+    buffers = id(first.obj), id(second.obj)
+    assert buffers[0] != buffers[1]
+    held = first[100:200]  # a view of the view holds the buffer too
+    kept = bytes(held)
+    del first
+    third = reader.fetch_block(info, 20, 30)
+    assert id(third.obj) not in buffers and bytes(held) == kept
+    del held, second
+    fourth = reader.fetch_block(info, 30, 40)  # the shard's last block, with the end marker
+    assert id(fourth.obj) in buffers  # a buffer let go of is read into again
+    assert bytes(fourth) == fetch_shard_range(info, 30, 40)
+    assert bytes(third) == fetch_shard_range(info, 20, 30)
+    assert type(reader.fetch(info, 0, 10)) is bytes  # fetch gives bytes of its own
 
 
 def test_split_shard_range_bounds_bytes_and_follows_row_groups(tar_shards, parquet_shards):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from nnh_data import source_reader
 from nnh_data.error_policy import ErrorPolicy
 from nnh_data.mixing import SourceDraws
 from nnh_data.shard_index import ShardError
@@ -83,8 +84,11 @@ def test_an_unreadable_sample_is_an_empty_row_under_skip(tar_shards):
         f.write(b"7777777\0")
     with pytest.warns(UserWarning, match=f"sample 3, byte {at}"):
         parts = list(source.parts(0, [(0, 12)], [], VALUE_COLUMNS))
-    skipped = {int(i): bool(flag) for p in parts
-               for i, flag in zip(p.labels["__index__"], p.rows.get(SKIPPED, [False] * 12))}
+    skipped = {
+        int(i): bool(flag)
+        for p in parts
+        for i, flag in zip(p.labels["__index__"], p.rows.get(SKIPPED, [False] * 12))
+    }
     assert sorted(skipped) == list(range(12))
     assert [i for i, flag in skipped.items() if flag] == [8]
     with pytest.raises(ShardError, match="bad tar header checksum"):
@@ -100,3 +104,32 @@ def test_a_local_shard_gone_since_indexing_is_named_with_its_position(tar_shards
     gone = rf"{re.escape(urls[2])}: unreadable \(.*No such file.*\(at sample \d+"
     with pytest.raises(ShardError, match=gone):
         list(source.parts(0, [(0, 12)], [], VALUE_COLUMNS))
+
+
+@pytest.mark.parametrize("readahead", [0, 3])
+@pytest.mark.parametrize("rows", [VALUE_COLUMNS, COLUMNS])
+def test_blocks_in_reused_buffers_keep_every_sample(tar_shards, monkeypatch, readahead, rows):
+    """Local tar blocks are read into buffers reused once let go of: with many blocks per
+    shard, blocks queued by a read-ahead thread and a damaged block salvaged piece by piece,
+    every row is still the sample its label names."""
+    monkeypatch.setattr(source_reader, "_LOCAL_TAR_READ_BYTES", 64 << 10)  # ~25 samples
+    urls = tar_shards([130, 90], pax=False, size=1000)
+    source = reader(urls, draws=220, on_error="skip", readahead=readahead)
+    with tarfile.open(urls[1]) as tar:
+        at = tar.getmembers()[2 * 20].offset  # sample 20 of the second shard: id 150
+    with open(urls[1], "r+b") as f:
+        f.seek(at + 148)
+        f.write(b"7777777\0")
+    with pytest.warns(UserWarning, match="sample 20"):
+        parts = list(source.parts(0, [(0, 220)], [], rows))
+    seen = []
+    for part in parts:
+        skipped = part.rows.get(SKIPPED, [False] * len(part.keys))
+        for i, g in enumerate(part.labels["__index__"].tolist()):
+            seen.append(g)
+            if skipped[i]:
+                assert g == 150
+                continue
+            assert part.rows["__key__"][i] == f"{g:08d}"
+            assert part.rows["bin"][i] == sample_bytes(g, 1000)
+    assert sorted(seen) == list(range(220))
