@@ -47,7 +47,7 @@ def read_pass(blocks: list[tuple], parse: bool) -> int:
     """Read (and with ``parse``, parse) every block; the sample count."""
     reader, count = ShardReader(), 0
     for info, a, b in blocks:
-        payload = reader.fetch(info, a, b)
+        payload = reader.fetch_block(info, a, b)
         if parse:
             decode_shard_columns(info, payload, a, b)
         count += b - a
