@@ -108,9 +108,7 @@ class SourceReader:
         remote = not is_local(self.index.shards[0].url)
         read = functools.partial(self._fetch, read_block, meter.reads(), remote, cached)
         fetched = read_ahead(read, blocks, self.readahead)
-        decoded = (
-            (b[3], self._rows_of(b, payload, rows, fetch, cached, meter)) for b, payload in fetched
-        )
+        decoded = self._decoded(fetched, rows, fetch, cached, meter)
         window = self.draws.window
         for cycle, positions in runs:
             order = self.draws.order(cycle)
@@ -119,6 +117,21 @@ class SourceReader:
         for cycle, _ in singles:
             (part,) = stages.assemble(decoded, self.draws.order(cycle), [], window, 1, rows)
             yield self._labelled(part, epoch, cycle)
+
+    def _decoded(
+        self,
+        fetched: Iterator[tuple[stages.Block, object]],
+        rows: stages.Rows,
+        fetch: Callable[..., Any],
+        cached: CachedPass | None,
+        meter: Meter,
+    ) -> Iterator[tuple[int, Any]]:
+        """``(concat start, rows)`` of each fetched block; its payload let go of before the
+        rows are handed on, so the reused buffer it lies in is free for the next block."""
+        for block, payload in fetched:
+            out = self._rows_of(block, payload, rows, fetch, cached, meter)
+            del payload
+            yield block[3], out
 
     def _runs(
         self, epoch: int, draws: Intervals, pads: Sequence[int]
