@@ -75,7 +75,7 @@ _PLAIN_NAME = re.compile(_PLAIN_KEY + r"\.([^\0/]*+)\0++")
 _META = re.compile(r"__[^/]*__($|/)")
 _WDS_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _NOT_IN_KEYS = np.zeros(256, bool)  # bytes the keys _group_fixed takes do not hold
-_NOT_IN_KEYS[[0, ord("."), ord("/")]] = _NOT_IN_KEYS[128:] = True
+_NOT_IN_KEYS[[0, ord("\n"), ord("."), ord("/")]] = _NOT_IN_KEYS[128:] = True
 
 
 class TarFormatError(ValueError):
@@ -490,9 +490,9 @@ def _group_fixed(
     rows: np.ndarray, key: str | None, values: list[bytes] | None, as_columns: bool
 ) -> tuple[list[int], list[dict] | dict[str, list], str | None] | None:
     """:func:`_group` for the usual names, compared as machine words instead of matched as
-    text: ``key.field`` with an ASCII key of one width in every name (its
-    first dot at the same place) and no "/", each sample with the fields of the first in its
-    order, none continuing the sample before (key ``key``); None for anything else, which
+    text: ``key.field`` with an ASCII key (no newline) of one width in every name (its first
+    dot at the same place) and no "/", each sample with the fields of the first in its order,
+    none continuing the sample before (key ``key``); None for anything else, which
     :func:`_group` decides."""
     count = len(rows)
     width = next((w for w in (16, 32, 64) if not rows[:, w].any()), None)
@@ -520,8 +520,9 @@ def _group_fixed(
         return None
     raw = [names[j, dot + 1 :].tobytes().split(b"\0", 1)[0] for j in range(fields)]
     names_ = ("__key__", *(field.decode().lower() for field in raw))
-    sample_keys = list(map(bytes.decode, np.ascontiguousarray(names[::fields, :dot]).view(
-        f"S{dot}")[:, 0].tolist()))  # fmt: skip
+    lines = np.full((count // fields, dot + 1), 10, np.uint8)  # each key, then a newline
+    lines[:, :dot] = names[::fields, :dot]
+    sample_keys = lines.tobytes().decode().split("\n")[:-1]
     if (
         any(b"/" in field or not field.isascii() for field in raw)
         or len(set(names_)) <= fields  # a field twice
@@ -537,6 +538,7 @@ def _group_fixed(
     return firsts, rows_of(names_, columns), sample_keys[-1]
 
 
+@functools.lru_cache(maxsize=64)
 def _byte_mask(places: range, width: int) -> np.ndarray:
     """Little-endian uint64 words of ``width`` bytes with the bytes at ``places`` all ones."""
     mask = np.zeros(width, np.uint8)
