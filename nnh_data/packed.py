@@ -71,10 +71,11 @@ class PackedField:
         """Pack ``values``: all ``bytes`` (``bytearray``, ``memoryview``) or all ``str``,
         ``None`` allowed (all ``None`` packs as bytes). Raises ``TypeError`` otherwise."""
         values = list(values)
+        types = set(map(type, values))
         valid = None
-        if None in values:
+        if type(None) in types:
+            types.discard(type(None))
             valid = torch.from_numpy(np.fromiter(map(_is_not_none, values), bool, len(values)))
-        types = set(map(type, values)) - {type(None)}
         if types <= {bytes} or types == {str}:
             return cls._kept(values, "str" if types == {str} else "bytes", valid)
         return cls._packed(values, valid)
