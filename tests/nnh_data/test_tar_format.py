@@ -274,6 +274,7 @@ def keyed(*pattern: bytes) -> list[bytes]:
         keyed(b"k%d.bin", b"k%d0.cls"),  # keys of two widths
         keyed(b"__%02d.bin", b"__%02d.cls"),
         keyed(b"\xc3\xa9%02d.bin", b"\xc3\xa9%02d.cls"),  # not ASCII
+        keyed(b"k%02d.b\xffn", b"k%02d.cls"),  # a field not UTF-8
         keyed(b"d/k%d.bin", b"d/k%d.cls"),
         keyed(b"k\n%d.bin", b"k\n%d.cls"),
         keyed(b"k%d.b/n", b"k%d.cls"),
