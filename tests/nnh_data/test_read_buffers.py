@@ -9,19 +9,21 @@ import gc
 import os
 import tarfile
 import warnings
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
-from nnh_data import source_reader
+from nnh_data import ShardedStreamingDataset, Source, source_reader
 from nnh_data.error_policy import ErrorPolicy
 from nnh_data.mixing import SourceDraws
 from nnh_data.shard_index import ShardError
 from nnh_data.shards import ShardReader, build_shard_index
 from nnh_data.source_reader import SourceReader
 from nnh_data.stages import COLUMNS, SKIPPED, VALUE_COLUMNS
-from tests.support import numbered_samples, write_tar
+from tests.support import numbered_samples, sample_bytes, write_tar
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -128,3 +130,57 @@ def test_reused_buffers_give_what_fresh_bytes_give(tmp_path, monkeypatch, how, r
     got, _, error, _ = reused
     if how in ("none", "gaps") or (skip and how == "checksum"):
         assert error is None and len(got) > 2
+
+
+SOURCE_SIZES = {"a": 3000, "b": 700}  # bytes of "bin" per source (both number from 0)
+_KEPT: list[dict] = []  # the samples ``kept`` was given, in this worker
+
+
+def small_blocks(worker: int) -> None:
+    """DataLoader ``worker_init_fn``: ~10 samples per read block, in this worker too."""
+    source_reader._LOCAL_TAR_READ_BYTES = 32 << 10
+    _KEPT.clear()
+
+
+def kept(sample: dict) -> tuple:
+    """A ``decode`` that keeps every sample dict: a block read into the buffer of one before
+    must leave them as they were. Says whether this sample and every tenth kept one hold
+    their own bytes."""
+    _KEPT.append(sample)
+    own = all(_own(s) for s in [sample, *_KEPT[::10]])
+    return sample["__source__"], sample["__index__"], sample["__pad__"], own
+
+
+def _own(sample: dict) -> bool:
+    g = int(sample["__key__"])
+    size = SOURCE_SIZES[sample["__source__"]]
+    values = sample["bin"], sample["cls"]
+    return all(type(v) is bytes for v in values) and values == (sample_bytes(g, size), b"%d" % g)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("context", "readahead"), [("fork", 0), ("fork", 3), ("spawn", 1)])
+def test_workers_over_epochs_hand_out_their_own_bytes(tar_shards, context, readahead):
+    """Two mixed sources (a reader each) in two persistent workers over two epochs: every
+    sample holds its own bytes, also those a ``decode`` kept, and each epoch holds what it
+    holds read in one process."""
+    sources = [Source(tar_shards([150, 110], name=name, size=size), choose=200, name=name)
+               for name, size in SOURCE_SIZES.items()]  # fmt: skip
+    ds = ShardedStreamingDataset(sources, seed=3, shuffle_window=40,
+                                 readahead=readahead, decode=kept)  # fmt: skip
+    loader = DataLoader(ds, batch_size=8, collate_fn=list, num_workers=2, persistent_workers=True,
+                        multiprocessing_context=context, worker_init_fn=small_blocks)  # fmt: skip
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        handed = [item for batch in loader for item in batch]
+        assert all(own for *_, own in handed)
+        drawn = Counter(item[:3] for item in handed)
+        assert drawn == Counter(item[:3] for item in at_once(ds, epoch))
+        assert Counter(name for name, _, pad in drawn.elements() if not pad) == {"a": 200, "b": 200}
+
+
+def at_once(ds: ShardedStreamingDataset, epoch: int) -> list:
+    """The samples of epoch ``epoch`` read in this process, without read-ahead."""
+    ds = ShardedStreamingDataset(ds.sources, seed=ds.seed, shuffle_window=ds.window, decode=kept)
+    ds.set_epoch(epoch)
+    return list(ds)
