@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from nnh_data import ShardedStreamingDataset, Source, source_reader
 from nnh_data.error_policy import ErrorPolicy
@@ -184,3 +185,41 @@ def at_once(ds: ShardedStreamingDataset, epoch: int) -> list:
     ds = ShardedStreamingDataset(ds.sources, seed=ds.seed, shuffle_window=ds.window, decode=kept)
     ds.set_epoch(epoch)
     return list(ds)
+
+
+def handed_ids(batch) -> list[tuple]:
+    """The (source, id) of each sample of a batch (of samples, or a dataset's own batch) that
+    holds its own bytes; one that does not fails the test."""
+    if isinstance(batch, dict):
+        batch = [dict(zip(batch, row)) for row in zip(*batch.values())]
+    for sample in batch:
+        assert _own(sample), sample["__key__"]
+    return [(s["__source__"], int(s["__index__"])) for s in batch if not s["__pad__"]]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("batch_size", [None, 8])
+def test_a_stateful_loader_resumed_mid_epoch_reads_the_rest_with_their_own_bytes(
+    tar_shards, batch_size
+):
+    """Samples, or the dataset's own batches, read with read-ahead in two workers: resumed
+    after 13 batches, the rest holds its own bytes and completes the epoch."""
+    sources = [Source(tar_shards([150, 110], name=name, size=size), choose=200, name=name)
+               for name, size in SOURCE_SIZES.items()]  # fmt: skip
+
+    def loader() -> StatefulDataLoader:
+        ds = ShardedStreamingDataset(sources, seed=5, shuffle_window=40, readahead=2,
+                                     batch_size=batch_size)  # fmt: skip
+        return StatefulDataLoader(ds, batch_size=None if batch_size else 8, num_workers=2,
+                                  collate_fn=handed_ids, worker_init_fn=small_blocks)  # fmt: skip
+
+    first = loader()
+    batches = iter(first)
+    handed = [item for _ in range(13) for item in next(batches)]
+    state = first.state_dict()
+    del batches, first
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = [item for batch in resumed for item in batch]
+    whole = handed_ids(list(ShardedStreamingDataset(sources, seed=5, shuffle_window=40)))
+    assert len(handed) == 13 * 8 and Counter(handed + rest) == Counter(whole)
