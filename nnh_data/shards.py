@@ -168,7 +168,6 @@ class ShardReader:
             raise ShardError(info.url, _tar_position(info, low), f"unreadable ({exc})") from exc
         if len(data) < end - low:
             position = _tar_position(info, low + len(data))
-            del data  # a view of a read buffer: the error's traceback must not keep it
             raise ShardError(info.url, position, "truncated tar (unexpected end of file)")
         return data
 

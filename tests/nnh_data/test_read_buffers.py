@@ -96,9 +96,10 @@ def read_all(urls, index, on_error, rows, readahead, monkeypatch, fresh: bool):
         try:
             for part in source.parts(0, [(0, sum(counts))], [3, 77], rows):
                 columns = {name: plain(c) for name, c in part.rows.items()}
-                unread = columns.get(SKIPPED, [False] * len(columns["__key__"]))
+                unread = columns.get(SKIPPED, [False] * len(part.keys))
                 for name in ("bin", "cls"):  # every value read is bytes
-                    assert all(type(v) is bytes for v, u in zip(columns[name], unread) if not u)
+                    values = columns.get(name, [])
+                    assert all(type(v) is bytes for v, u in zip(values, unread) if not u)
                 got.append((columns, {k: plain(v) for k, v in part.labels.items()}))
         except ShardError as exc:
             error = type(exc), str(exc)
@@ -108,7 +109,20 @@ def read_all(urls, index, on_error, rows, readahead, monkeypatch, fresh: bool):
     return got, [str(w.message) for w in caught], error, errors.counts(), held
 
 
-@pytest.mark.parametrize("how", ["none", "checksum", "gaps", "truncated", "rewritten"])
+def failing_reads(monkeypatch) -> None:
+    """Local reads of blocks that start in every 7th 4 KiB fail (EIO), fresh or not."""
+    for name in ("pread", "preadv"):
+        read = getattr(os, name)
+
+        def failing(fd, into, offset, read=read):
+            if offset // 4096 % 7 == 3:
+                raise OSError(5, "Input/output error")
+            return read(fd, into, offset)
+
+        monkeypatch.setattr(os, name, failing)
+
+
+@pytest.mark.parametrize("how", ["none", "checksum", "gaps", "truncated", "rewritten", "eio"])
 @pytest.mark.parametrize("readahead", [0, 1, 2, 4])
 @pytest.mark.parametrize("skip", [False, True])
 def test_reused_buffers_give_what_fresh_bytes_give(tmp_path, monkeypatch, how, readahead, skip):
@@ -121,6 +135,8 @@ def test_reused_buffers_give_what_fresh_bytes_give(tmp_path, monkeypatch, how, r
     else:  # damaged after indexing
         index = build_shard_index(urls)
         damage(urls[1], how)
+    if how == "eio":
+        failing_reads(monkeypatch)
     on_error = "skip" if skip else "raise"
     rows = COLUMNS if readahead % 2 else VALUE_COLUMNS
     args = (urls, index, on_error, rows, readahead, monkeypatch)
