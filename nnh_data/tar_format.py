@@ -222,7 +222,7 @@ def _parse(
                     sample = {"__key__": key}
                     if need_data:
                         add_sample(sample)
-                elif field in sample:
+                if field in sample:  # "__key__" too, as webdataset refuses it
                     raise TarFormatError(start, f"duplicate field {field!r} in sample {key!r}")
                 sample[field] = buf[data : data + size] if need_data else None
         elif kind == b"x" or kind == b"L":

@@ -128,6 +128,17 @@ def test_bad_checksum_and_duplicate_field():
         assert caught.value.offset == 2 * 512 * 2
 
 
+def test_a_field_named_key_is_refused_as_webdataset_refuses_it():
+    """A member ``a.__key__`` would set the sample's key to its data: a format error, also
+    when it is the first member of its sample."""
+    buf = tar_bytes([("a.__key__", b"x"), ("a.bin", b"y")], format=tarfile.USTAR_FORMAT)
+    with pytest.raises(ValueError, match="duplicate file name"):
+        webdataset_samples(buf)
+    for need_data in (True, False):
+        with pytest.raises(TarFormatError, match="duplicate field '__key__' in sample 'a'"):
+            parse_samples(buf, 0, len(buf), need_data=need_data)
+
+
 def test_garbage_is_a_format_error():
     with pytest.raises(TarFormatError):
         parse_samples(b"x" * 2048, 0, 2048)
