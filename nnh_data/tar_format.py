@@ -222,7 +222,7 @@ def _parse(
                     sample = {"__key__": key}
                     if need_data:
                         add_sample(sample)
-                elif field in sample:
+                if field in sample:  # "__key__" too, as webdataset refuses it
                     raise TarFormatError(start, f"duplicate field {field!r} in sample {key!r}")
                 sample[field] = buf[data : data + size] if need_data else None
         elif kind == b"x" or kind == b"L":
@@ -519,13 +519,14 @@ def _group_fixed(
     if (tails != tails[0]).any():
         return None
     raw = [names[j, dot + 1 :].tobytes().split(b"\0", 1)[0] for j in range(fields)]
+    if any(b"/" in field or not field.isascii() for field in raw):
+        return None
     names_ = ("__key__", *(field.decode().lower() for field in raw))
     lines = np.full((count // fields, dot + 1), 10, np.uint8)  # each key, then a newline
     lines[:, :dot] = names[::fields, :dot]
     sample_keys = lines.tobytes().decode().split("\n")[:-1]
     if (
-        any(b"/" in field or not field.isascii() for field in raw)
-        or len(set(names_)) <= fields  # a field twice
+        len(set(names_)) <= fields  # a field twice
         or sample_keys[0] == key  # the first members continue the sample before
     ):
         return None

@@ -128,6 +128,17 @@ def test_bad_checksum_and_duplicate_field():
         assert caught.value.offset == 2 * 512 * 2
 
 
+def test_a_field_named_key_is_refused_as_webdataset_refuses_it():
+    """A member ``a.__key__`` would set the sample's key to its data: a format error, also
+    when it is the first member of its sample."""
+    buf = tar_bytes([("a.__key__", b"x"), ("a.bin", b"y")], format=tarfile.USTAR_FORMAT)
+    with pytest.raises(ValueError, match="duplicate file name"):
+        webdataset_samples(buf)
+    for need_data in (True, False):
+        with pytest.raises(TarFormatError, match="duplicate field '__key__' in sample 'a'"):
+            parse_samples(buf, 0, len(buf), need_data=need_data)
+
+
 def test_garbage_is_a_format_error():
     with pytest.raises(TarFormatError):
         parse_samples(b"x" * 2048, 0, 2048)
@@ -274,6 +285,7 @@ def keyed(*pattern: bytes) -> list[bytes]:
         keyed(b"k%d.bin", b"k%d0.cls"),  # keys of two widths
         keyed(b"__%02d.bin", b"__%02d.cls"),
         keyed(b"\xc3\xa9%02d.bin", b"\xc3\xa9%02d.cls"),  # not ASCII
+        keyed(b"k%02d.b\xffn", b"k%02d.cls"),  # a field not UTF-8
         keyed(b"d/k%d.bin", b"d/k%d.cls"),
         keyed(b"k\n%d.bin", b"k\n%d.cls"),
         keyed(b"k%d.b/n", b"k%d.cls"),
@@ -340,3 +352,87 @@ def test_header_at_reads_a_damaged_header_leniently():
     assert (head.start, head.head, head.path, head.key) == (0, 1024, "c" * 120 + ".txt", "c" * 120)
     heads, valid = tar_format.header_blocks(bytes(buf))
     assert heads.tolist() == [0, 2] and valid.tolist() == [True, False]
+
+
+def header_bytes(name: bytes, data: bytes | None, extended: str = "") -> bytes:
+    """One member: a ustar header named ``name`` byte for byte (a directory when ``data`` is
+    None), then its data; ``extended``: "gnu" or "pax" to name it with an extended header."""
+    info = tarfile.TarInfo(name.decode("utf-8", "surrogateescape"))
+    info.size = 0 if data is None else len(data)
+    info.type = tarfile.DIRTYPE if data is None else tarfile.REGTYPE
+    if extended:
+        form = tarfile.GNU_FORMAT if extended == "gnu" else tarfile.PAX_FORMAT
+        info.name = "/" * (101 - len(name)) + info.name  # past 100 bytes: an extended header
+        if extended == "pax":
+            info.pax_headers = {"path": info.name}
+        head = info.tobuf(form, "utf-8", "surrogateescape")
+    else:
+        head = bytearray(info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape"))
+        head[:100] = name.ljust(100, b"\0")
+        head[148:156] = b" " * 8
+        head[148:156] = b"%06o\0 " % sum(head)
+    padding = bytes(-info.size % BLOCK)
+    return bytes(head) + (data or b"") + padding
+
+
+ODD_KEY_BYTES = st.sampled_from(b"aZ_ .\x01\n/\xff\0")
+FIELDS = [b"bin", b"cls", b"BIN", b"Cls", b"seg.png", b"", b"__key__", b"b\xffn", b"a/b", b"t\0j"]
+
+
+@st.composite
+def near_plain_key(draw, width: int) -> bytes:
+    """``width`` digits, maybe with one byte that is not a digit."""
+    key = bytearray(draw(st.lists(st.sampled_from(b"0123456789"), min_size=width, max_size=width)))
+    if draw(st.integers(0, 3)) == 0:
+        key[draw(st.integers(0, width - 1))] = draw(ODD_KEY_BYTES)
+    return bytes(key)
+
+
+@st.composite
+def near_plain(draw):
+    """A tar archive (bytes) of names that are plain ``key.field`` or nearly, and its keys:
+    keys of one width (some with a byte the word comparison must refuse), fields in one order
+    or not and in either case, repeated keys, junk after a NUL, names of about (and exactly)
+    16, 32 and 64 bytes, directories and extended headers."""
+    width = draw(st.sampled_from([1, 4, 8, 12, 15, 16, 28, 31, 47, 60, 63, 70]))
+    keys = draw(st.lists(near_plain_key(width), min_size=1, max_size=6))
+    if draw(st.booleans()) and len(keys) > 2:
+        keys[draw(st.integers(2, len(keys) - 1))] = keys[0]  # a key again, not adjacently
+    fields = st.sampled_from(FIELDS[:4]) | st.sampled_from(FIELDS)
+    fields = draw(st.lists(fields, min_size=1, max_size=3, unique=True))
+    junk = draw(st.sampled_from([b"", b"", b"\0zz", b"\0" + b"q" * 40]))
+    members = []
+    for key in keys:
+        own = draw(st.permutations(fields)) if draw(st.integers(0, 5)) == 0 else fields
+        own = own[: draw(st.integers(1, len(own)))] if draw(st.integers(0, 5)) == 0 else own
+        own = [f.swapcase() if draw(st.integers(0, 9)) == 0 else f for f in own]  # "BIN", "bin"
+        for field in own:
+            data = bytes([len(members)]) * draw(st.sampled_from([0, 1, 512, 700]))
+            members.append(header_bytes((key + b"." + field + junk)[:100], data))
+    for _ in range(draw(st.integers(0, 2)) if draw(st.integers(0, 3)) == 0 else 0):
+        odd = draw(st.sampled_from(["dir", "gnu", "pax"]))
+        at = draw(st.integers(0, len(members)))
+        if odd == "dir":
+            members.insert(at, header_bytes(b"d/", None))
+        else:
+            members.insert(at, header_bytes(keys[0] + b"." + fields[0], b"x", odd))
+    text_keys = [key.decode("utf-8", "surrogateescape") for key in keys]
+    return b"".join(members) + bytes(2 * BLOCK), text_keys
+
+
+@settings(max_examples=300, deadline=None)
+@given(near_plain(), st.data())
+def test_near_plain_names_give_what_the_member_loop_gives(archive, data):
+    buf, keys = archive
+    pos = BLOCK * data.draw(st.integers(0, len(buf) // BLOCK)) if data.draw(st.booleans()) else 0
+    limit = data.draw(st.integers(pos, len(buf)) | st.just(len(buf)))
+    need_data = data.draw(st.booleans())
+    key = data.draw(st.sampled_from([None, "zz", *keys]))
+    expected = outcome(parse_samples_loop, buf, pos, limit, need_data, key)
+    for as_columns in (False, True):
+        got = outcome(functools.partial(parse_samples, as_columns=as_columns), buf, pos, limit,
+                      need_data, key)  # fmt: skip
+        if isinstance(got, Parsed) and got.columns is not None:
+            rows = [dict(zip(got.columns, values)) for values in zip(*got.columns.values())]
+            got = got._replace(samples=rows, columns=None)
+        assert got == expected
