@@ -56,6 +56,9 @@ __all__ = [
 ]
 
 _BUFFER_STEP = 64 << 10  # read buffers are made in multiples of this
+# a larger block (one large sample) is read into memory of its own, let go of once decoded: a
+# reused buffer keeps its size for the whole pass
+_REUSED_BYTES = 4 << 20
 _CHUNK_BYTES = 16 << 20  # a decoded piece holds its bytes twice (payload and samples)
 
 
@@ -137,7 +140,8 @@ class ShardReader:
         nothing holds its last view, instead of new memory per block, which the kernel maps and
         zero-fills page by page (20,000 page faults and 12-15% of the CPU of a pass over 100,000
         samples of 3 KiB). A view is valid while it is held: a buffer with a view alive (a
-        read-ahead thread's blocks in flight, a block kept) is never read into."""
+        read-ahead thread's blocks in flight, a block kept) is never read into. A block of more
+        than 4 MiB (a large sample) comes as bytes of its own."""
         check_int("start", start, low=0, high=info.num_samples)
         check_int("stop", stop, low=start, high=info.num_samples)
         if info.format != "tar" or not is_local(info.url):
@@ -157,7 +161,7 @@ class ShardReader:
             return b""
         try:
             file = file or self._local_file(info.url)
-            if file is not None and reuse:
+            if file is not None and reuse and end - low <= _REUSED_BYTES:
                 data = self._read_into_buffer(file.fileno(), end - low, low)
             elif file is not None:
                 data = os.pread(file.fileno(), end - low, low)

@@ -405,7 +405,8 @@ def _header_chain(
 def _plain_files(rows: np.ndarray) -> np.ndarray | None:
     """Which header ``rows`` are regular files, when the others are skipped types (such as
     directories) and all have an 11-digit octal size, no ustar prefix in use and a right
-    checksum; else None."""
+    checksum, and the files a name (an empty one, bytes after its NUL, would run into the name
+    before it in the names' text); else None."""
     kind = _KINDS[rows[:, 156]]
     files = kind == 1
     size_head = rows[:, 124:132].view("<u8")[:, 0]  # digits 1-8
@@ -417,6 +418,7 @@ def _plain_files(rows: np.ndarray) -> np.ndarray | None:
         & ((size_tail & (_DIGIT_BITS >> 8)) == _ZEROS >> 8)
         & ((size_tail >> 56 | 32) == 32)
         & ((rows[:, 345] == 0) | ~files | ((magic & _MASK6) != _USTAR_U64))
+        & ((rows[:, 0] != 0) | ~files)
     )
     return files if plain.all() and _checksums_ok(rows) else None
 

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 
+from nnh_data import shards
 from nnh_data.shards import (
     ShardError,
     ShardReader,
@@ -67,6 +68,17 @@ def test_fetch_block_reads_into_a_buffer_only_once_its_views_are_let_go(tar_shar
     assert bytes(fourth) == fetch_shard_range(info, 30, 40)
     assert bytes(third) == fetch_shard_range(info, 20, 30)
     assert type(reader.fetch(info, 0, 10)) is bytes  # fetch gives bytes of its own
+
+
+def test_fetch_block_reads_a_large_block_into_memory_of_its_own(tar_shards, monkeypatch):
+    # a reused buffer keeps its size for the pass: a block of one large sample is not put in one
+    monkeypatch.setattr(shards, "_REUSED_BYTES", 20_000)
+    (path,) = tar_shards([6], size=9000)
+    info = build_shard_index(path).shards[0]
+    reader = ShardReader()
+    small, large = reader.fetch_block(info, 0, 1), reader.fetch_block(info, 1, 4)
+    assert isinstance(small, memoryview) and type(large) is bytes
+    assert large == fetch_shard_range(info, 1, 4) and len(reader._buffers) == 1
 
 
 def test_split_shard_range_bounds_bytes_and_follows_row_groups(tar_shards, parquet_shards):

@@ -288,6 +288,7 @@ def keyed(*pattern: bytes) -> list[bytes]:
         keyed(b"k%02d.b\xffn", b"k%02d.cls"),  # a field not UTF-8
         keyed(b"d/k%d.bin", b"d/k%d.cls"),
         keyed(b"k\n%d.bin", b"k\n%d.cls"),
+        [b"0000.BIN", b"a000.BIN", b"0000.BIN", b"\x00000.BIN"],  # no name, bytes after it
         keyed(b"k%d.b/n", b"k%d.cls"),
         keyed(b"k%d.bin", b"k%d.cls", b"k%d.txt")[:-1],  # the last sample cut short
     ],
