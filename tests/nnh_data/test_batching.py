@@ -95,3 +95,26 @@ def test_arrow_bytes_taken_again_joined_and_packed_give_the_values_of_lists(valu
     for column in (taken["b"], twice["b"], with_read):
         packed = PackedField.from_arrow(column)
         assert PackedField(packed.data, packed.offsets, packed.kind, None) == as_list(column)
+
+
+@given(st.lists(st.one_of(st.none(), st.binary(max_size=20)), min_size=1, max_size=12), st.data())
+def test_views_taken_give_the_values_of_lists(values, data):
+    """Bytes read from Parquet are views: taking rows gathers the views (nulls too), in a slice
+    of a joined array as well, and packing gives the values."""
+    import pyarrow as pa
+
+    from nnh_data.batching import as_list
+    from nnh_data.packed import PackedField, as_views
+
+    n = len(values)
+    split = data.draw(st.integers(0, n))
+    views = as_views(pa.chunked_array([pa.array(values[:split], pa.binary()),
+                                       pa.array(values[split:], pa.binary())]))  # fmt: skip
+    a = data.draw(st.integers(0, n - 1))
+    arrow, plain = cut({"b": views}, a, n), {"b": values[a:]}
+    idx = np.array(data.draw(st.lists(st.integers(0, n - a - 1), max_size=2 * n)), dtype=np.int64)
+    taken = take(arrow, idx)["b"]
+    assert taken.type == pa.binary_view() and as_list(taken) == take(plain, idx)["b"]
+    assert taken.null_count == sum(v is None for v in take(plain, idx)["b"])
+    packed = PackedField.from_arrow(taken)
+    assert PackedField(packed.data, packed.offsets, packed.kind, packed.valid) == as_list(taken)
