@@ -86,14 +86,18 @@ class ParquetReader:
 
     def _file(self, info: ShardInfo, file: BinaryIO | None) -> pq.ParquetFile:
         """The open file of ``info`` (the last one is kept), its footer checked against the
-        index."""
+        index. A local file is opened by pyarrow itself and read without pre-buffering: the
+        read-ahead of column ranges, which a remote file needs, only costs I/O threads there
+        (5-8% of the CPU of reading a local shard)."""
         if self._open is None or self._open[0] != (info.url, file):
             self._open = None
-            if file is None:
+            if file is not None:
+                parquet = pq.ParquetFile(file, pre_buffer=False)
+            elif "://" in info.url or info.url.startswith("~"):  # fsspec: ranges read ahead
                 fs, path = remote_fs(info.url, self.storage_options)
                 parquet = pq.ParquetFile(path, filesystem=fs)
-            else:
-                parquet = pq.ParquetFile(file)
+            else:  # a local path: pyarrow's own file, read when asked (no I/O threads)
+                parquet = pq.ParquetFile(info.url, pre_buffer=False)
             rows = [0, *itertools.accumulate(row_group_rows(parquet.metadata))]
             if not np.array_equal(rows, info.offsets):
                 found = f"{rows[-1]} rows in {len(rows) - 1} row groups"

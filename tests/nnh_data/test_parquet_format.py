@@ -120,3 +120,14 @@ def test_arrow_columns_across_row_groups_and_decoded_batches(tmp_path):
         assert columns["text"].to_pylist() == values["text"]
     empty = arrow.read(info, 7, 7)
     assert empty["id"].size == 0 and len(empty["blob"]) == 0 and empty["__key__"] == []
+
+
+def test_a_file_url_reads_like_the_plain_path(shard):
+    """A plain path is opened by pyarrow itself, a URL through fsspec: the same rows."""
+    from dataclasses import replace
+
+    as_url = replace(shard, url=f"file://{shard.url}")
+    for reader in (ParquetReader(), ParquetReader(arrow=True)):
+        plain, url = reader.read(shard, 3, 17), reader.read(as_url, 3, 17)
+        assert url["id"].tolist() == plain["id"].tolist() == list(range(3, 17))
+        assert list(url["text"]) == list(plain["text"])
