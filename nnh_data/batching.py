@@ -40,6 +40,7 @@ __all__ = [
     "as_list",
     "columns_of",
     "concat",
+    "constant",
     "cut",
     "num_rows",
     "one_array",
@@ -106,9 +107,21 @@ def _rows_builder(keys: tuple[str, ...] | int) -> Callable[..., list[dict]]:
     return namespace["build"]
 
 
+def constant(value: Any, rows: int) -> Column:
+    """A column of ``rows`` times ``value``: for text, an Arrow dictionary array of the one
+    value (taken, cut and packed without a Python object per row), else a list.
+
+    >>> constant("a.tar", 3).to_pylist(), constant(7, 2)
+    (['a.tar', 'a.tar', 'a.tar'], [7, 7])
+    """
+    if isinstance(value, str):
+        return pa.DictionaryArray.from_arrays(np.zeros(rows, np.int32), pa.array([value]))
+    return [value] * rows
+
+
 def take(columns: Columns, indices: np.ndarray) -> Columns:
     """Rows ``indices`` (integers) of every column, in that order."""
-    positions = indices.tolist()
+    positions = None
     out: Columns = {}
     for name, col in columns.items():
         if isinstance(col, dict):
@@ -118,6 +131,7 @@ def take(columns: Columns, indices: np.ndarray) -> Columns:
         elif isinstance(col, ARROW):
             out[name] = _arrow_rows(col, indices)
         else:
+            positions = indices.tolist() if positions is None else positions
             out[name] = list(map(col.__getitem__, positions))
     return out
 

@@ -118,3 +118,19 @@ def test_views_taken_give_the_values_of_lists(values, data):
     assert taken.null_count == sum(v is None for v in take(plain, idx)["b"])
     packed = PackedField.from_arrow(taken)
     assert PackedField(packed.data, packed.offsets, packed.kind, packed.valid) == as_list(taken)
+
+
+def test_a_constant_text_column_is_arrow_and_reads_like_its_list():
+    """A shard's URL labels every row of a batch as a one-value Arrow dictionary: taken, cut,
+    joined and packed, it gives the values of the list it replaces; other values are lists."""
+    from nnh_data.batching import as_list, constant
+    from nnh_data.packed import PackedField
+
+    url, other = {"u": constant("a/s.tar", 4)}, {"u": constant("b/t.tar", 2)}
+    assert as_list(url["u"]) == ["a/s.tar"] * 4 and constant(3, 2) == [3, 3]
+    taken = take(concat([url, other]), np.array([5, 0, 4, 1], dtype=np.int64))
+    assert as_list(taken["u"]) == ["b/t.tar", "a/s.tar", "b/t.tar", "a/s.tar"]
+    for column in (cut(url, 1, 3)["u"], taken["u"], concat([taken, url])["u"], constant("x", 0)):
+        packed = PackedField.from_arrow(column)
+        assert packed.kind == "str" and packed == as_list(column)
+        assert PackedField(packed.data, packed.offsets, "str", None) == as_list(column)
