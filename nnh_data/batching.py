@@ -115,7 +115,8 @@ def constant(value: Any, rows: int) -> Column:
     (['a.tar', 'a.tar', 'a.tar'], [7, 7])
     """
     if isinstance(value, str):
-        return pa.DictionaryArray.from_arrays(np.zeros(rows, np.int32), pa.array([value]))
+        keys = np.zeros(rows, np.int32)
+        return pa.DictionaryArray.from_arrays(keys, pa.array([value]), safe=False)
     return [value] * rows
 
 
@@ -143,8 +144,10 @@ def _arrow_rows(column: pa.Array | pa.ChunkedArray, indices: np.ndarray) -> pa.A
     (:class:`~nnh_data.packed.PackedField`). A dictionary array's keys are taken; other types
     are taken by Arrow."""
     column = one_array(column)
-    if pa.types.is_dictionary(column.type):
-        return pa.DictionaryArray.from_arrays(column.indices.take(indices), column.dictionary)
+    if pa.types.is_dictionary(column.type):  # its keys taken (by numpy unless one is null)
+        keys = column.indices
+        taken = keys.take(indices) if keys.null_count else keys.to_numpy()[indices]
+        return pa.DictionaryArray.from_arrays(taken, column.dictionary, safe=False)
     if is_view(column.type):  # Arrow has no take for views
         return _view_rows(column, indices)
     return column.take(indices)

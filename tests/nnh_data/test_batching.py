@@ -134,3 +134,15 @@ def test_a_constant_text_column_is_arrow_and_reads_like_its_list():
         packed = PackedField.from_arrow(column)
         assert packed.kind == "str" and packed == as_list(column)
         assert PackedField(packed.data, packed.offsets, "str", None) == as_list(column)
+
+
+def test_dictionary_columns_are_taken_by_their_keys_null_keys_too():
+    import pyarrow as pa
+
+    from nnh_data.batching import as_list
+
+    words = pa.array(["a", "b"])
+    with_null = pa.DictionaryArray.from_arrays(pa.array([1, None, 0, 1], pa.int32()), words)
+    assert as_list(take({"d": with_null}, np.array([3, 1, 0, 2]))["d"]) == ["b", None, "b", "a"]
+    plain = pa.DictionaryArray.from_arrays(pa.array([1, 0], pa.int32()), words)
+    assert as_list(take({"d": plain}, np.array([1, 1, 0]))["d"]) == ["a", "a", "b"]
