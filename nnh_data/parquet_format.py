@@ -6,12 +6,11 @@ pass makes a new reader, so a file rewritten between passes is read afresh, and 
 shared between threads or across a fork. Numeric and boolean columns come as numpy arrays,
 except those the dataset lists as nullable (a column then has one type in every batch): those,
 and every other type, come as lists of Python values with ``None`` for nulls, or, for batches
-(``arrow=True``), as Arrow arrays, text and bytes as views of the decoded pages: the shuffle
-then gathers 16-byte views, not values, and text and bytes reach a batch as one buffer
-(:class:`~nnh_data.packed.PackedField`) without a Python object per value. Python values are
-made ``_BATCH`` rows at a time, while the decompressed rows are in cache; Arrow columns are
-decoded ``_ARROW_BATCH`` rows at a time and joined, without copying text and bytes, into one
-array per column.
+(``arrow=True``), as Arrow arrays (chunked, as decoded): the shuffle then gathers them in Arrow
+(text and bytes as views, :func:`~nnh_data.batching.take`), and text and bytes reach a batch as
+one buffer (:class:`~nnh_data.packed.PackedField`) without a Python object per value. Python
+values are made ``_BATCH`` rows at a time, while the decompressed rows are in cache; Arrow
+columns are decoded ``_ARROW_BATCH`` rows at a time and kept as those chunks.
 
 >>> reader = ParquetReader()  # doctest: +SKIP
 >>> reader.read(index.shards[0], 0, 10)["__key__"][:2]  # doctest: +SKIP
@@ -28,8 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nnh_data.batching import Column, Columns, one_array
-from nnh_data.packed import as_views
+from nnh_data.batching import Column, Columns
 from nnh_data.retries import remote_fs
 from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError, row_group_rows
 
@@ -117,10 +115,10 @@ def _group_of(info: ShardInfo, row: int) -> int:
 
 
 def _row_groups(parquet: pq.ParquetFile, groups: range) -> pa.Table:
-    """Row groups ``groups`` of ``parquet`` in batches of ``_ARROW_BATCH`` rows: decoding
-    several row groups in one call grows Arrow's builders by copying, and a batch's buffers
-    are reused while in cache (in a shuffled pass, 5-10% less CPU than ``read_row_groups``);
-    as bytes and text become views (:func:`_values`), joining the batches copies no value."""
+    """Row groups ``groups`` of ``parquet`` in batches of ``_ARROW_BATCH`` rows, as chunks of
+    one table: decoding several row groups in one call grows Arrow's builders by copying (in
+    a shuffled pass, 5-10% more CPU than this). The chunks are not joined: rows read in order
+    are handed out from them, and taking rows joins views of them (no value copied)."""
     batches = list(parquet.iter_batches(_ARROW_BATCH, row_groups=groups, use_threads=False))
     return pa.Table.from_batches(batches) if batches else parquet.schema_arrow.empty_table()
 
@@ -147,16 +145,15 @@ def _values(
     info: ShardInfo, name: str, column: pa.Array | pa.ChunkedArray, nullable: bool, arrow: bool
 ) -> Column:
     """Numeric and boolean columns as numpy, unless ``nullable`` in the dataset (a column then
-    has one type in every batch): then, like every other type, an Arrow array (``arrow``;
-    binary and string ones as views of the decoded bytes, :func:`~nnh_data.packed.as_views`)
-    or a list of Python values (``None`` for nulls)."""
+    has one type in every batch): then, like every other type, an Arrow array (``arrow``) or a
+    list of Python values (``None`` for nulls)."""
     kind = column.type
     numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
     if numeric and not nullable:
         if column.null_count:
             raise StaleIndexError(info.url, f"column {name!r}", "a null the index did not list")
         return column.to_numpy(zero_copy_only=False)
-    return one_array(as_views(column)) if arrow else column.to_pylist()
+    return column if arrow else column.to_pylist()
 
 
 def _joined(parts: list[Columns]) -> Columns:
