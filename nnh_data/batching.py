@@ -6,9 +6,9 @@ Arrow arrays for the other Parquet columns, lists of Python values for everythin
 nested ``Columns`` (``__aug__``). Building batches this way costs a few pointer copies per value
 (none per value for Arrow columns, which Arrow gathers itself) instead of a dict per sample,
 which is what lets columnar sources (Parquet) stream at the speed of pyarrow itself. Bytes and
-text taken in a new order (the shuffle) are not even gathered: they become views (16 bytes per
-value, pointing into the decoded pages), the views are taken, and their bytes are copied once,
-when a batch is packed (:class:`~nnh_data.packed.PackedField`).
+text taken in a new order (the shuffle) are not even gathered: long values read from Parquet
+are views (16 bytes per value, pointing into the decoded pages), the views are taken, and their
+bytes are copied once, when a batch is packed (:class:`~nnh_data.packed.PackedField`).
 
 >>> cols = columns_of([{"a": 1, "b": b"x"}, {"a": 2}])
 >>> cols
@@ -138,12 +138,12 @@ def take(columns: Columns, indices: np.ndarray) -> Columns:
 
 
 def _arrow_rows(column: pa.Array | pa.ChunkedArray, indices: np.ndarray) -> pa.Array:
-    """Rows ``indices`` of an Arrow column. Bytes and text become views
-    (:func:`~nnh_data.packed.as_views`: chunks joined without copying a value) whose 16-byte
-    views are gathered, not the values, so the bytes of a shuffled batch are copied once, when
-    it is packed (:class:`~nnh_data.packed.PackedField`). A dictionary array's keys are taken;
-    other types are taken by Arrow."""
-    column = one_array(as_views(column))
+    """Rows ``indices`` of an Arrow column. Of views (long bytes and text read from Parquet,
+    :func:`~nnh_data.packed.as_views`), the 16-byte views are gathered, not the values, so the
+    bytes of a shuffled batch are copied once, when it is packed
+    (:class:`~nnh_data.packed.PackedField`). A dictionary array's keys are taken; other types
+    are taken by Arrow."""
+    column = one_array(column)
     if pa.types.is_dictionary(column.type):  # its keys taken (by numpy unless one is null)
         keys = column.indices
         taken = keys.take(indices) if keys.null_count else keys.to_numpy()[indices]
@@ -172,7 +172,7 @@ def _view_rows(column: pa.Array, indices: np.ndarray) -> pa.Array:
 
 def one_array(column: pa.Array | pa.ChunkedArray) -> pa.Array:
     """``column`` as one array: the array itself, the only chunk, or the chunks joined (a
-    window of several decoded chunks: Arrow takes from one array 3-5x faster than from chunks;
+    window read from two blocks: Arrow takes from one array 3-5x faster than from chunks;
     views are joined without copying their values), with
     dictionary chunks decoded first (joining dictionaries hashes every value to unify them)."""
     if isinstance(column, pa.Array):

@@ -6,11 +6,12 @@ pass makes a new reader, so a file rewritten between passes is read afresh, and 
 shared between threads or across a fork. Numeric and boolean columns come as numpy arrays,
 except those the dataset lists as nullable (a column then has one type in every batch): those,
 and every other type, come as lists of Python values with ``None`` for nulls, or, for batches
-(``arrow=True``), as Arrow arrays (chunked, as decoded): the shuffle then gathers them in Arrow
-(text and bytes as views, :func:`~nnh_data.batching.take`), and text and bytes reach a batch as
-one buffer (:class:`~nnh_data.packed.PackedField`) without a Python object per value. Python
-values are made ``_BATCH`` rows at a time, while the decompressed rows are in cache; Arrow
-columns are decoded ``_ARROW_BATCH`` rows at a time and kept as those chunks.
+(``arrow=True``), as Arrow arrays: the shuffle then gathers them in Arrow, and text and bytes
+reach a batch as one buffer (:class:`~nnh_data.packed.PackedField`) without a Python object
+per value. Python values are made ``_BATCH`` rows at a time, while the decompressed rows are in
+cache; Arrow columns are decoded ``_ARROW_BATCH`` rows at a time and joined into one array per
+column, long text and bytes as views of the decoded chunks (no value copied: a shuffle then
+gathers 16-byte views, and a batch's values are copied once, when it is packed).
 
 >>> reader = ParquetReader()  # doctest: +SKIP
 >>> reader.read(index.shards[0], 0, 10)["__key__"][:2]  # doctest: +SKIP
@@ -27,7 +28,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nnh_data.batching import Column, Columns
+from nnh_data.batching import Column, Columns, one_array
+from nnh_data.packed import as_views
 from nnh_data.retries import remote_fs
 from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError, row_group_rows
 
@@ -35,6 +37,10 @@ __all__ = ["ParquetReader"]
 
 _BATCH = 256  # rows decompressed then converted at a time: they stay in cache
 _ARROW_BATCH = 1024  # rows decoded at a time for Arrow columns (the best of 256-4,096)
+# bytes per value above which text and bytes are kept as views (joining the decoded chunks
+# and a shuffle's take then copy 16 bytes per value, not the value); shorter values are
+# joined by copying (cheaper than Arrow's cast to views, and than packing views back)
+_VIEW_BYTES = 64
 
 class ParquetReader:
     """Reads rows ``[start, stop)`` of Parquet shards; see the module docstring.
@@ -117,8 +123,7 @@ def _group_of(info: ShardInfo, row: int) -> int:
 def _row_groups(parquet: pq.ParquetFile, groups: range) -> pa.Table:
     """Row groups ``groups`` of ``parquet`` in batches of ``_ARROW_BATCH`` rows, as chunks of
     one table: decoding several row groups in one call grows Arrow's builders by copying (in
-    a shuffled pass, 5-10% more CPU than this). The chunks are not joined: rows read in order
-    are handed out from them, and taking rows joins views of them (no value copied)."""
+    a shuffled pass, 5-10% more CPU than this)."""
     batches = list(parquet.iter_batches(_ARROW_BATCH, row_groups=groups, use_threads=False))
     return pa.Table.from_batches(batches) if batches else parquet.schema_arrow.empty_table()
 
@@ -145,15 +150,20 @@ def _values(
     info: ShardInfo, name: str, column: pa.Array | pa.ChunkedArray, nullable: bool, arrow: bool
 ) -> Column:
     """Numeric and boolean columns as numpy, unless ``nullable`` in the dataset (a column then
-    has one type in every batch): then, like every other type, an Arrow array (``arrow``) or a
-    list of Python values (``None`` for nulls)."""
+    has one type in every batch): then, like every other type, an Arrow array (``arrow``; text
+    and bytes of over ``_VIEW_BYTES`` per value as views) or a list of Python values (``None``
+    for nulls)."""
     kind = column.type
     numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
     if numeric and not nullable:
         if column.null_count:
             raise StaleIndexError(info.url, f"column {name!r}", "a null the index did not list")
         return column.to_numpy(zero_copy_only=False)
-    return column if arrow else column.to_pylist()
+    if not arrow:
+        return column.to_pylist()
+    if column.nbytes > _VIEW_BYTES * len(column):  # long values: joined and taken as views
+        column = as_views(column)
+    return one_array(column)
 
 
 def _joined(parts: list[Columns]) -> Columns:
