@@ -137,7 +137,7 @@ def test_the_order_is_pinned_and_the_same_window_by_window():
     from nnh_data.seeding import sample_seeds
 
     assert hashed_permutation(8, 7).tolist() == [0, 2, 3, 4, 7, 6, 1, 5]
-    for size, key in [(1, 0), (1024, 5), (1000, 2**64 - 1)]:
+    for size, key in [(1, 0), (300, 9), (1024, 5), (1000, 2**64 - 1), (20_000, 3)]:
         hashes = sample_seeds(key, np.arange(size, dtype=np.int64))
         expected = np.argsort(hashes, kind="quicksort")
         assert hashed_permutation(size, key).tolist() == expected.tolist()
