@@ -6,9 +6,9 @@ Arrow arrays for the other Parquet columns, lists of Python values for everythin
 nested ``Columns`` (``__aug__``). Building batches this way costs a few pointer copies per value
 (none per value for Arrow columns, which Arrow gathers itself) instead of a dict per sample,
 which is what lets columnar sources (Parquet) stream at the speed of pyarrow itself. Bytes and
-text taken in a new order (the shuffle) are not even gathered: they become a dictionary array
-over the rows they were taken from, and their bytes are copied once, when a batch is packed
-(:class:`~nnh_data.packed.PackedField`).
+text taken in a new order (the shuffle) are not even gathered: long values read from Parquet
+are views (16 bytes per value, pointing into the decoded pages), the views are taken, and their
+bytes are copied once, when a batch is packed (:class:`~nnh_data.packed.PackedField`).
 
 >>> cols = columns_of([{"a": 1, "b": b"x"}, {"a": 2}])
 >>> cols
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from nnh_data.packed import arrow_kind, arrow_values
+from nnh_data.packed import arrow_values, as_views, is_view
 
 Column = list | np.ndarray | pa.Array | pa.ChunkedArray | dict
 ARROW = (pa.Array, pa.ChunkedArray)
@@ -40,6 +40,7 @@ __all__ = [
     "as_list",
     "columns_of",
     "concat",
+    "constant",
     "cut",
     "num_rows",
     "one_array",
@@ -106,9 +107,22 @@ def _rows_builder(keys: tuple[str, ...] | int) -> Callable[..., list[dict]]:
     return namespace["build"]
 
 
+def constant(value: Any, rows: int) -> Column:
+    """A column of ``rows`` times ``value``: for text, an Arrow dictionary array of the one
+    value (taken, cut and packed without a Python object per row), else a list.
+
+    >>> constant("a.tar", 3).to_pylist(), constant(7, 2)
+    (['a.tar', 'a.tar', 'a.tar'], [7, 7])
+    """
+    if isinstance(value, str):
+        keys = np.zeros(rows, np.int32)
+        return pa.DictionaryArray.from_arrays(keys, pa.array([value]), safe=False)
+    return [value] * rows
+
+
 def take(columns: Columns, indices: np.ndarray) -> Columns:
     """Rows ``indices`` (integers) of every column, in that order."""
-    positions = indices.tolist()
+    positions = None
     out: Columns = {}
     for name, col in columns.items():
         if isinstance(col, dict):
@@ -118,26 +132,48 @@ def take(columns: Columns, indices: np.ndarray) -> Columns:
         elif isinstance(col, ARROW):
             out[name] = _arrow_rows(col, indices)
         else:
+            positions = indices.tolist() if positions is None else positions
             out[name] = list(map(col.__getitem__, positions))
     return out
 
 
 def _arrow_rows(column: pa.Array | pa.ChunkedArray, indices: np.ndarray) -> pa.Array:
-    """Rows ``indices`` of an Arrow column. Bytes and text without nulls are not gathered: they
-    come as a dictionary array over the column, ``indices`` its keys, so the bytes of a shuffled
-    batch are copied once, when it is packed (:class:`~nnh_data.packed.PackedField`), not
-    gathered here first. Other types are taken by Arrow."""
+    """Rows ``indices`` of an Arrow column. Of views (long bytes and text read from Parquet,
+    :func:`~nnh_data.packed.as_views`), the 16-byte views are gathered, not the values, so the
+    bytes of a shuffled batch are copied once, when it is packed
+    (:class:`~nnh_data.packed.PackedField`). A dictionary array's keys are taken; other types
+    are taken by Arrow."""
     column = one_array(column)
-    if pa.types.is_dictionary(column.type):  # taken again (mixing, a batch's readable rows)
-        return pa.DictionaryArray.from_arrays(column.indices.take(indices), column.dictionary)
-    if arrow_kind(column.type) is not None and not column.null_count:
-        return pa.DictionaryArray.from_arrays(indices, column)
+    if pa.types.is_dictionary(column.type):  # its keys taken (by numpy unless one is null)
+        keys = column.indices
+        taken = keys.take(indices) if keys.null_count else keys.to_numpy()[indices]
+        return pa.DictionaryArray.from_arrays(taken, column.dictionary, safe=False)
+    if is_view(column.type):  # Arrow has no take for views
+        return _view_rows(column, indices)
     return column.take(indices)
+
+
+_VIEW = np.dtype((np.void, 16))  # one value of a binary_view or string_view array
+
+
+def _view_rows(column: pa.Array, indices: np.ndarray) -> pa.Array:
+    """Rows ``indices`` of a view array: its views gathered by numpy, its byte buffers shared."""
+    validity, views, *data = column.buffers()
+    taken = np.frombuffer(views, _VIEW, len(column), column.offset * _VIEW.itemsize)[indices]
+    nulls = 0
+    if column.null_count:
+        bits = np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")
+        valid = bits[column.offset : column.offset + len(column)][indices]
+        nulls = valid.size - int(np.count_nonzero(valid))
+        validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
+    buffers = [validity if nulls else None, pa.py_buffer(taken), *data]
+    return pa.Array.from_buffers(column.type, taken.size, buffers, null_count=nulls)
 
 
 def one_array(column: pa.Array | pa.ChunkedArray) -> pa.Array:
     """``column`` as one array: the array itself, the only chunk, or the chunks joined (a
-    window read from two blocks: Arrow takes from one array 3-5x faster than from chunks), with
+    window read from two blocks: Arrow takes from one array 3-5x faster than from chunks;
+    views are joined without copying their values), with
     dictionary chunks decoded first (joining dictionaries hashes every value to unify them)."""
     if isinstance(column, pa.Array):
         return column
@@ -190,8 +226,8 @@ def concat(parts: Sequence[Columns]) -> Columns:
             out[name] = concat(cols)
             continue
         if all(isinstance(col, ARROW) for col in cols):
-            if len({c.type for c in cols}) > 1:  # rows taken (dictionaries) and rows as read
-                cols = list(map(arrow_values, cols))
+            if len({c.type for c in cols}) > 1:  # rows taken (views, dictionaries) and as read
+                cols = [as_views(arrow_values(col)) for col in cols]
             if len({c.type for c in cols}) == 1:
                 out[name] = pa.chunked_array(_chunks(cols), cols[0].type)
                 continue

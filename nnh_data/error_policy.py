@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from nnh_data.batching import ARROW, Columns, concat, num_rows, take
+from nnh_data.batching import ARROW, Columns, as_list, concat, num_rows, take
 from nnh_data.checks import check_choice
 from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError
 from nnh_data.shards import decode_tar_each
@@ -124,7 +124,7 @@ class ErrorPolicy:
         flags = batch.pop(SKIPPED, None)
         if flags is None:
             return batch
-        for flag, url in zip(flags, batch["__shard__"]):
+        for flag, url in zip(flags, as_list(batch["__shard__"])):
             if flag:
                 self.count(self._number[url])
         keep = [i for i, flag in enumerate(flags) if not flag]

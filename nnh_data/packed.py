@@ -27,11 +27,14 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-__all__ = ["KINDS", "PackedField", "arrow_kind", "arrow_values"]
+__all__ = ["KINDS", "PackedField", "arrow_kind", "arrow_values", "as_views", "is_view"]
 
 KINDS = ("bytes", "str")
-_ARROW_KINDS = {pa.binary(): "bytes", pa.large_binary(): "bytes", pa.string(): "str",
-                pa.large_string(): "str"}  # fmt: skip
+_ARROW_KINDS = {pa.binary(): "bytes", pa.large_binary(): "bytes", pa.binary_view(): "bytes",
+                pa.string(): "str", pa.large_string(): "str", pa.string_view(): "str"}  # fmt: skip
+_VIEWS = {pa.binary(): pa.binary_view(), pa.large_binary(): pa.binary_view(),
+          pa.string(): pa.string_view(), pa.large_string(): pa.string_view()}  # fmt: skip
+_PACKED = {"bytes": pa.large_binary(), "str": pa.large_string()}  # what views are packed as
 
 
 class PackedField:
@@ -94,9 +97,10 @@ class PackedField:
 
     @classmethod
     def from_arrow(cls, array: pa.Array | pa.ChunkedArray) -> PackedField:
-        """A field of an Arrow binary or string array (chunked, ``large_`` ones, dictionaries
-        of them too), packed from its buffers when needed, with no Python object per value: the
-        same field :meth:`pack` makes of its values. Raises ``TypeError`` for other types."""
+        """A field of an Arrow binary or string array (chunked, ``large_`` and view ones,
+        dictionaries of them too), packed from its buffers when needed, with no Python object
+        per value: the same field :meth:`pack` makes of its values. Raises ``TypeError`` for
+        other types."""
         kind = arrow_kind(array.type)
         if kind is None:
             raise TypeError(f"PackedField.from_arrow: a binary or string array, got {array.type}")
@@ -271,8 +275,8 @@ def _mixed(values: list, kind: type | tuple[type, ...]) -> str:
 
 def arrow_kind(kind: pa.DataType) -> str | None:
     """The kind of field (``"bytes"`` or ``"str"``) :meth:`PackedField.from_arrow` makes of
-    Arrow arrays of type ``kind`` (binary, string, their ``large_`` forms and dictionaries of
-    them); None for any other type."""
+    Arrow arrays of type ``kind`` (binary, string, their ``large_`` and view forms and
+    dictionaries of them); None for any other type."""
     if pa.types.is_dictionary(kind):
         kind = kind.value_type
     return _ARROW_KINDS.get(kind)
@@ -290,6 +294,20 @@ def arrow_values(array: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArra
     return pa.chunked_array(chunks, array.type.value_type)
 
 
+def is_view(kind: pa.DataType) -> bool:
+    """Whether ``kind`` is ``binary_view`` or ``string_view``."""
+    return kind in (pa.binary_view(), pa.string_view())
+
+
+def as_views(array: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """A binary or string ``array`` (``large_`` too) as views of its bytes (``binary_view``,
+    ``string_view``: 16 bytes per value pointing into the same buffers, no byte copied), so
+    that joining arrays or taking rows moves 16 bytes per value, not the value; any other
+    array as it is."""
+    view = _VIEWS.get(array.type)
+    return array if view is None else array.cast(view)
+
+
 def _has_nulls(array: pa.Array | pa.ChunkedArray) -> bool:
     """Whether ``array`` holds a null (in a dictionary array: a null key or a null value)."""
     if array.null_count or not pa.types.is_dictionary(array.type):
@@ -300,11 +318,15 @@ def _has_nulls(array: pa.Array | pa.ChunkedArray) -> bool:
 
 def _arrow_packed(array: pa.Array | pa.ChunkedArray) -> tuple[torch.Tensor, torch.Tensor]:
     """The data and offsets of a binary or string array without nulls, from its buffers. A
-    dictionary array's values are gathered by Arrow into a new array, whose data is then used
-    as it is (one copy of the bytes, not two)."""
+    dictionary array's values, or views' bytes, are gathered by Arrow into a new array, whose
+    data is then used as it is (one copy of the bytes, not two)."""
     chunks = array.chunks if isinstance(array, pa.ChunkedArray) else [array]
-    if len(chunks) == 1 and pa.types.is_dictionary(chunks[0].type):
-        values = chunks[0].dictionary_decode()  # new buffers, held by nothing else
+    values = None
+    if chunks and is_view(chunks[0].type):  # views joined (16 bytes each), then one copy
+        values = pa.concat_arrays(chunks).cast(_PACKED[arrow_kind(chunks[0].type)])
+    elif len(chunks) == 1 and pa.types.is_dictionary(chunks[0].type):
+        values = chunks[0].dictionary_decode()
+    if values is not None:  # new buffers, held by nothing else
         data = values.buffers()[2]
         if data is not None and not data.is_mutable:
             data = bytearray(data)

@@ -9,8 +9,9 @@ and every other type, come as lists of Python values with ``None`` for nulls, or
 (``arrow=True``), as Arrow arrays: the shuffle then gathers them in Arrow, and text and bytes
 reach a batch as one buffer (:class:`~nnh_data.packed.PackedField`) without a Python object
 per value. Python values are made ``_BATCH`` rows at a time, while the decompressed rows are in
-cache; Arrow columns come from one ``read_row_groups`` call per block, one array per column
-(cheaper than joining batches again).
+cache; Arrow columns are decoded ``_ARROW_BATCH`` rows at a time and joined into one array per
+column, long text and bytes as views of the decoded chunks (no value copied: a shuffle then
+gathers 16-byte views, and a batch's values are copied once, when it is packed).
 
 >>> reader = ParquetReader()  # doctest: +SKIP
 >>> reader.read(index.shards[0], 0, 10)["__key__"][:2]  # doctest: +SKIP
@@ -28,12 +29,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nnh_data.batching import Column, Columns, one_array
+from nnh_data.packed import as_views
 from nnh_data.retries import remote_fs
 from nnh_data.shard_index import ShardError, ShardInfo, StaleIndexError, row_group_rows
 
 __all__ = ["ParquetReader"]
 
 _BATCH = 256  # rows decompressed then converted at a time: they stay in cache
+_ARROW_BATCH = 1024  # rows decoded at a time for Arrow columns (the best of 256-4,096)
+# bytes per value above which text and bytes are kept as views (joining the decoded chunks
+# and a shuffle's take then copy 16 bytes per value, not the value); shorter values are
+# joined by copying (cheaper than Arrow's cast to views, and than packing views back)
+_VIEW_BYTES = 64
 
 class ParquetReader:
     """Reads rows ``[start, stop)`` of Parquet shards; see the module docstring.
@@ -66,9 +73,9 @@ class ParquetReader:
         skip = start - int(info.offsets[first])
         try:
             parquet = self._file(info, file)
-            if self.arrow:  # whole row groups in one call: cheaper than batches joined again
-                table = parquet.read_row_groups(groups, use_threads=False).slice(skip, stop - start)
-                columns = {name: _values(info, name, one_array(column), name in nullable, True)
+            if self.arrow:
+                table = _row_groups(parquet, groups).slice(skip, stop - start)
+                columns = {name: _values(info, name, column, name in nullable, True)
                            for name, column in zip(table.column_names, table.columns)}  # fmt: skip
             else:
                 batches = parquet.iter_batches(_BATCH, row_groups=groups, use_threads=False)
@@ -83,14 +90,18 @@ class ParquetReader:
 
     def _file(self, info: ShardInfo, file: BinaryIO | None) -> pq.ParquetFile:
         """The open file of ``info`` (the last one is kept), its footer checked against the
-        index."""
+        index. A local file is opened by pyarrow itself (closed when let go of) and read without
+        pre-buffering: the read-ahead of column ranges, which a remote file needs, only costs
+        I/O threads there (5-8% of the CPU of reading a local shard)."""
         if self._open is None or self._open[0] != (info.url, file):
             self._open = None
-            if file is None:
+            if file is not None:
+                parquet = pq.ParquetFile(file, pre_buffer=False)
+            elif "://" in info.url or info.url.startswith("~"):  # fsspec: ranges read ahead
                 fs, path = remote_fs(info.url, self.storage_options)
                 parquet = pq.ParquetFile(path, filesystem=fs)
-            else:
-                parquet = pq.ParquetFile(file)
+            else:  # a local path: pyarrow's own file (no filesystem lookup), read when asked
+                parquet = pq.ParquetFile(pa.OSFile(info.url), pre_buffer=False)
             rows = [0, *itertools.accumulate(row_group_rows(parquet.metadata))]
             if not np.array_equal(rows, info.offsets):
                 found = f"{rows[-1]} rows in {len(rows) - 1} row groups"
@@ -107,6 +118,14 @@ class ParquetReader:
 
 def _group_of(info: ShardInfo, row: int) -> int:
     return int(np.searchsorted(info.offsets, row, "right")) - 1
+
+
+def _row_groups(parquet: pq.ParquetFile, groups: range) -> pa.Table:
+    """Row groups ``groups`` of ``parquet`` in batches of ``_ARROW_BATCH`` rows, as chunks of
+    one table: decoding several row groups in one call grows Arrow's builders by copying (in
+    a shuffled pass, 5-10% more CPU than this)."""
+    batches = list(parquet.iter_batches(_ARROW_BATCH, row_groups=groups, use_threads=False))
+    return pa.Table.from_batches(batches) if batches else parquet.schema_arrow.empty_table()
 
 
 def _converted(
@@ -127,17 +146,24 @@ def _converted(
     return parts
 
 
-def _values(info: ShardInfo, name: str, column: pa.Array, nullable: bool, arrow: bool) -> Column:
+def _values(
+    info: ShardInfo, name: str, column: pa.Array | pa.ChunkedArray, nullable: bool, arrow: bool
+) -> Column:
     """Numeric and boolean columns as numpy, unless ``nullable`` in the dataset (a column then
-    has one type in every batch): then, like every other type, an Arrow array (``arrow``) or a
-    list of Python values (``None`` for nulls)."""
+    has one type in every batch): then, like every other type, an Arrow array (``arrow``; text
+    and bytes of over ``_VIEW_BYTES`` per value as views) or a list of Python values (``None``
+    for nulls)."""
     kind = column.type
     numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
     if numeric and not nullable:
         if column.null_count:
             raise StaleIndexError(info.url, f"column {name!r}", "a null the index did not list")
         return column.to_numpy(zero_copy_only=False)
-    return column if arrow else column.to_pylist()
+    if not arrow:
+        return column.to_pylist()
+    if column.nbytes > _VIEW_BYTES * len(column):  # long values: joined and taken as views
+        column = as_views(column)
+    return one_array(column)
 
 
 def _joined(parts: list[Columns]) -> Columns:

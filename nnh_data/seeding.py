@@ -43,7 +43,9 @@ __all__ = [
     "as_sample_ids",
     "mix64",
     "fold_key",
+    "keyed_seeds",
     "mix64_int",
+    "premixed_ids",
     "sample_seeds",
     "seed_hex",
     "stream_key",
@@ -124,10 +126,20 @@ def as_sample_ids(sample_ids: object) -> np.ndarray:
 
 def sample_seeds(key: int, sample_ids: np.ndarray) -> np.ndarray:
     """Per-sample 64-bit seeds ``h`` (step 2) of a validated int64 id array."""
+    return keyed_seeds(key, premixed_ids(sample_ids))
+
+
+def premixed_ids(sample_ids: np.ndarray) -> np.ndarray:
+    """``mix64(sample_id + G)``: the half of step 2 that no key enters (computed once for ids
+    hashed under many keys, as the window permutations of :mod:`nnh_data.order` are)."""
     z = sample_ids.astype(np.uint64)
     z += np.uint64(GOLDEN)
-    mix64(z)
-    z ^= np.uint64(key)
+    return mix64(z)
+
+
+def keyed_seeds(key: int, premixed: np.ndarray) -> np.ndarray:
+    """The seeds ``h`` of ids whose :func:`premixed_ids` are ``premixed`` (left unchanged)."""
+    z = premixed ^ np.uint64(key)
     return mix64(z)
 
 

@@ -70,6 +70,13 @@ def _label_columns(rows: Columns, name: str, value: Any) -> Columns:
     return rows
 
 
+def _label_arrow(rows: Columns, name: str, value: Any) -> Columns:
+    """:func:`_label_columns` for batches: text (a shard's URL) as an Arrow column
+    (:func:`batching.constant`), which a batch packs without a Python object per row."""
+    rows[name] = batching.constant(value, batching.num_rows(rows))
+    return rows
+
+
 def _columns_of_samples(samples: list) -> Columns:
     cols = batching.columns_of([s or {} for s in samples])
     if None in samples:
@@ -128,15 +135,15 @@ COLUMNS = Rows(
     cut=batching.cut,
     join=batching.concat,
     take=batching.take,
-    label=_label_columns,
+    label=_label_arrow,
     from_samples=_columns_of_samples,
     arrow=True,
 )
 # Columns of Python values, built into samples at hand-out (per-sample passes): converting a
 # block's values while it is in cache, then gathering references, beats a dict per row read
 # and held in a window (fewer objects for the cyclic collector to walk, too).
-VALUE_COLUMNS = replace(COLUMNS, join=_joined_values, from_samples=_value_columns_of_samples,
-                        arrow=False)  # fmt: skip
+VALUE_COLUMNS = replace(COLUMNS, join=_joined_values, label=_label_columns,
+                        from_samples=_value_columns_of_samples, arrow=False)  # fmt: skip
 
 
 @dataclass

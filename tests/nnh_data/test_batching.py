@@ -95,3 +95,54 @@ def test_arrow_bytes_taken_again_joined_and_packed_give_the_values_of_lists(valu
     for column in (taken["b"], twice["b"], with_read):
         packed = PackedField.from_arrow(column)
         assert PackedField(packed.data, packed.offsets, packed.kind, None) == as_list(column)
+
+
+@given(st.lists(st.one_of(st.none(), st.binary(max_size=20)), min_size=1, max_size=12), st.data())
+def test_views_taken_give_the_values_of_lists(values, data):
+    """Bytes read from Parquet are views: taking rows gathers the views (nulls too), in a slice
+    of a joined array as well, and packing gives the values."""
+    import pyarrow as pa
+
+    from nnh_data.batching import as_list
+    from nnh_data.packed import PackedField, as_views
+
+    n = len(values)
+    split = data.draw(st.integers(0, n))
+    views = as_views(pa.chunked_array([pa.array(values[:split], pa.binary()),
+                                       pa.array(values[split:], pa.binary())]))  # fmt: skip
+    a = data.draw(st.integers(0, n - 1))
+    arrow, plain = cut({"b": views}, a, n), {"b": values[a:]}
+    idx = np.array(data.draw(st.lists(st.integers(0, n - a - 1), max_size=2 * n)), dtype=np.int64)
+    taken = take(arrow, idx)["b"]
+    assert taken.type == pa.binary_view() and as_list(taken) == take(plain, idx)["b"]
+    assert taken.null_count == sum(v is None for v in take(plain, idx)["b"])
+    packed = PackedField.from_arrow(taken)
+    assert PackedField(packed.data, packed.offsets, packed.kind, packed.valid) == as_list(taken)
+
+
+def test_a_constant_text_column_is_arrow_and_reads_like_its_list():
+    """A shard's URL labels every row of a batch as a one-value Arrow dictionary: taken, cut,
+    joined and packed, it gives the values of the list it replaces; other values are lists."""
+    from nnh_data.batching import as_list, constant
+    from nnh_data.packed import PackedField
+
+    url, other = {"u": constant("a/s.tar", 4)}, {"u": constant("b/t.tar", 2)}
+    assert as_list(url["u"]) == ["a/s.tar"] * 4 and constant(3, 2) == [3, 3]
+    taken = take(concat([url, other]), np.array([5, 0, 4, 1], dtype=np.int64))
+    assert as_list(taken["u"]) == ["b/t.tar", "a/s.tar", "b/t.tar", "a/s.tar"]
+    for column in (cut(url, 1, 3)["u"], taken["u"], concat([taken, url])["u"], constant("x", 0)):
+        packed = PackedField.from_arrow(column)
+        assert packed.kind == "str" and packed == as_list(column)
+        assert PackedField(packed.data, packed.offsets, "str", None) == as_list(column)
+
+
+def test_dictionary_columns_are_taken_by_their_keys_null_keys_too():
+    import pyarrow as pa
+
+    from nnh_data.batching import as_list
+
+    words = pa.array(["a", "b"])
+    with_null = pa.DictionaryArray.from_arrays(pa.array([1, None, 0, 1], pa.int32()), words)
+    assert as_list(take({"d": with_null}, np.array([3, 1, 0, 2]))["d"]) == ["b", None, "b", "a"]
+    plain = pa.DictionaryArray.from_arrays(pa.array([1, 0], pa.int32()), words)
+    assert as_list(take({"d": plain}, np.array([1, 1, 0]))["d"]) == ["a", "a", "b"]

@@ -131,6 +131,23 @@ def test_hashed_permutation_is_pure_and_varies_with_key():
     assert hashed_permutation(20, 3).tolist() != hashed_permutation(20, 4).tolist()
 
 
+def test_the_order_is_pinned_and_the_same_window_by_window():
+    """The exact order (a change of it would change every stream), and each window's positions
+    alone give the positions of the whole range."""
+    from nnh_data.seeding import sample_seeds
+
+    assert hashed_permutation(8, 7).tolist() == [0, 2, 3, 4, 7, 6, 1, 5]
+    for size, key in [(1, 0), (300, 9), (1024, 5), (1000, 2**64 - 1), (20_000, 3)]:
+        hashes = sample_seeds(key, np.arange(size, dtype=np.int64))
+        expected = np.argsort(hashes, kind="quicksort")
+        assert hashed_permutation(size, key).tolist() == expected.tolist()
+    order = EpochOrder((5, 7, 4), seed=3, epoch=2, window=4)
+    whole = order.concat_positions(np.arange(16)).tolist()
+    assert whole == [0, 3, 1, 2, 7, 5, 6, 4, 9, 8, 10, 11, 14, 12, 13, 15]
+    windows = [order.concat_positions(np.arange(a, a + 4)).tolist() for a in range(0, 16, 4)]
+    assert sum(windows, []) == whole and order.concat_positions(np.array([6, 7])).tolist() == [6, 4]
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     base=bases,

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nnh_data import PackedField
+from nnh_data.packed import as_views
 
 binary = st.lists(st.one_of(st.none(), st.binary(max_size=9)), max_size=12)
 text = st.lists(st.one_of(st.none(), st.text(max_size=6)), max_size=12)
@@ -20,8 +21,8 @@ ascii_text = st.lists(st.text(st.characters(max_codepoint=127), max_size=6), max
 
 def forms(values: list) -> list[PackedField]:
     """The field of ``values`` in each of its forms: kept values, packed tensors, and (for
-    values without nulls) Arrow arrays kept and packed: chunked, and dictionaries (the rows of
-    a shuffle) in one chunk and in two."""
+    values without nulls) Arrow arrays kept and packed: chunked, views (as Parquet batches
+    hold bytes and text), and dictionaries in one chunk and in two."""
     kept = PackedField.pack(values)
     packed = PackedField(kept.data, kept.offsets, kept.kind, kept.valid)
     out = [PackedField.pack(values), packed]
@@ -30,7 +31,9 @@ def forms(values: list) -> list[PackedField]:
         chunks = pa.chunked_array([pa.array(values[:2], kind), pa.array(values[2:], kind)])
         keys = np.arange(len(values))[::-1]
         shuffled = pa.DictionaryArray.from_arrays(keys, pa.array(values[::-1], kind))
-        for array in (chunks, shuffled, pa.chunked_array([shuffled[:1], shuffled[1:]])):
+        views = as_views(chunks)
+        for array in (chunks, views, views.combine_chunks(), shuffled,
+                      pa.chunked_array([shuffled[:1], shuffled[1:]])):  # fmt: skip
             arrow = PackedField.from_arrow(array)
             out += [PackedField.from_arrow(array), PackedField(arrow.data, arrow.offsets,
                                                                arrow.kind, arrow.valid)]
@@ -68,6 +71,8 @@ def test_kinds_values_and_errors():
         PackedField.from_arrow(pa.array([1, 2]).dictionary_encode())
     with_null = pa.DictionaryArray.from_arrays([1, 0, 1], pa.array([b"a", None]))
     assert PackedField.from_arrow(with_null).tolist() == [None, b"a", None]
+    view_null = as_views(pa.array(["a", None, "long enough to be out of line"]))
+    assert PackedField.from_arrow(view_null).tolist() == view_null.to_pylist()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs an accelerator")

@@ -124,7 +124,9 @@ def test_hand_out_batches_cuts_whole_batches_and_counts_them():
 def test_columns_flag_unreadable_rows():
     cols = stages.COLUMNS.from_samples([{"a": 1}, None])
     assert cols[stages.SKIPPED] == [False, True] and cols["a"] == [1, None]
-    assert stages.COLUMNS.label(cols, "u", "x")["u"] == ["x", "x"]
+    assert stages.COLUMNS.label(cols, "u", "x")["u"].to_pylist() == ["x", "x"]  # Arrow text
+    assert stages.COLUMNS.label(cols, "n", 5)["n"] == [5, 5]
+    assert stages.VALUE_COLUMNS.label(cols, "u", "x")["u"] == ["x", "x"]  # built into samples
     values = stages.VALUE_COLUMNS.from_samples([{"a": 1, "b": 2}, {"a": 3}, None])
     assert values[stages.SKIPPED] == [False, False, True] and values["a"][:2] == [1, 3]
     assert values["b"][0] == 2 and values["b"][1] is not None  # absent, not None: left out

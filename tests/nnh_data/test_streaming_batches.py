@@ -218,3 +218,29 @@ def test_a_per_sample_state_resumes_in_batch_mode(tar_shards):
         ds.load_state_dict(states[0])
         rest += [item for b in ds for item in _items(b)]
     _check_union(handed, rest, 20)
+
+
+@pytest.mark.parametrize("shuffle_window", [4, 1000])
+def test_long_parquet_bytes_batches_hold_the_per_sample_stream(tmp_path, shuffle_window):
+    """Long bytes (kept as views of the decoded pages, their views taken by the shuffle), nulls
+    among them, and short text (joined as read) give the per-sample stream, in the batches and
+    in their pickled (packed) form, pads included."""
+    import pickle
+
+    paths, first = [], 0
+    for i, count in enumerate(LAYOUTS["uneven"]):
+        ids = range(first, first + count)
+        blobs = [None if g % 5 == 2 else bytes([g]) * (70 + 9 * g) for g in ids]
+        table = pa.table({"blob": pa.array(blobs, pa.binary()), "text": [f"t{g}" for g in ids]})
+        paths.append(str(tmp_path / f"long-{i}.parquet"))
+        pq.write_table(table, paths[-1], row_group_size=3)
+        first += count
+    index = build_shard_index(paths)
+    for rank in range(3):
+        kw = {"rank": rank, "world_size": 3, "seed": 5, "shuffle_window": shuffle_window}
+        samples = list(ShardedStreamingDataset(index, **kw))
+        batches = list(ShardedStreamingDataset(index, batch_size=5, **kw))
+        assert isinstance(batches[0]["blob"], PackedField)
+        assert [row for b in batches for row in _rows(b)] == samples
+        packed = [pickle.loads(pickle.dumps(b)) for b in batches]
+        assert [row for b in packed for row in _rows(b)] == samples
