@@ -46,6 +46,7 @@ __all__ = [
     "Progress",
     "Rows",
     "assemble",
+    "deferred",
     "hand_out_batches",
     "hand_out_rows",
     "hand_out_samples",
@@ -296,38 +297,49 @@ def assemble(
 # ---------------------------------------------------------------- mix
 
 
+@dataclass(frozen=True)
+class _Taken:
+    """Rows ``rows`` at ``indices``, not gathered yet: a source's window assembled for
+    :func:`mix` (:func:`deferred`), which gathers each row once, into the mixed order."""
+
+    rows: Any
+    indices: np.ndarray
+
+
+def deferred(rows: Rows) -> Rows:
+    """``rows`` whose take is left to :func:`mix`: the rows of the sources it mixes are then
+    gathered once, from the blocks as read, not into each source's order first."""
+    return replace(rows, take=_Taken)
+
+
 class _PartCursor:
-    """The rows of a stream of parts, taken ``n`` at a time as parts."""
+    """The rows of a stream of parts, taken ``n`` at a time as spans ``(part, a, b)`` (rows
+    ``[a, b)`` of ``part``): nothing is cut or copied."""
 
-    def __init__(self, parts: Iterator[Part], rows: Rows) -> None:
-        self._parts, self._ops = parts, rows
-        self._held: Part | None = None
+    def __init__(self, parts: Iterator[Part]) -> None:
+        self._parts = parts
+        self._part: Part | None = None
+        self._at = 0
 
-    def take(self, n: int) -> Part:
-        pieces = []
+    def take(self, n: int) -> list[tuple[Part, int, int]]:
+        spans = []
         while n:
-            if self._held is None or self._held.keys.size == 0:
-                self._held = next(self._parts)
-                continue
-            part, k = self._held, min(n, self._held.keys.size)
-            pieces.append(_cut_part(part, 0, k, self._ops))
-            self._held = _cut_part(part, k, part.keys.size, self._ops)
-            n -= k
-        return pieces[0] if len(pieces) == 1 else _join_parts(pieces, self._ops)
-
-
-def _cut_part(part: Part, a: int, b: int, rows: Rows) -> Part:
-    return Part(rows.cut(part.rows, a, b), batching.cut(part.labels, a, b), part.keys[a:b])
-
-
-def _join_parts(parts: list[Part], rows: Rows) -> Part:
-    labels = batching.concat([p.labels for p in parts])
-    return Part(rows.join([p.rows for p in parts]), labels, np.concatenate([p.keys for p in parts]))
+            if self._part is None:
+                self._part, self._at = next(self._parts), 0
+            part, a = self._part, self._at
+            b = self._at = min(part.keys.size, a + n)
+            if b > a:
+                spans.append((part, a, b))
+                n -= b - a
+            if b == part.keys.size:  # let go of a part taken whole
+                self._part = None
+        return spans
 
 
 def mix(streams: list[Iterator[Part]], chunks: Iterable[np.ndarray], rows: Rows) -> Iterator[Part]:
     """Parts whose rows come from several part ``streams``: each of ``chunks`` gives the
-    stream of every row of one part, in order (each stream is read in its own order).
+    stream of every row of one part, in order (each stream is read in its own order). The
+    streams' rows may be :func:`deferred`: each row is then gathered once, here.
 
     Example:
         >>> a = iter([Part({"x": [1, 2, 3]}, {"__index__": np.arange(3)}, np.arange(3))])
@@ -335,15 +347,32 @@ def mix(streams: list[Iterator[Part]], chunks: Iterable[np.ndarray], rows: Rows)
         >>> [p.rows["x"] for p in mix([a, b], [np.array([0, 1, 0]), np.array([1, 0])], COLUMNS)]
         [[1, 10, 2], [20, 3]]
     """
-    cursors = [_PartCursor(iter(s), rows) for s in streams]
+    cursors = [_PartCursor(iter(s)) for s in streams]
     for sources in chunks:
         counts = np.bincount(sources)  # np.unique: ~25x the time on a chunk (numpy 2.4)
-        used = np.flatnonzero(counts)
-        combined = _join_parts([cursors[s].take(int(counts[s])) for s in used], rows)
-        where = np.empty(sources.size, dtype=np.int64)  # row i of the chunk is combined[where[i]]
-        where[np.argsort(sources, kind="stable")] = np.arange(sources.size)
-        yield Part(rows.take(combined.rows, where), batching.take(combined.labels, where),
-                   combined.keys[where])  # fmt: skip
+        spans = [span for s in np.flatnonzero(counts) for span in cursors[s].take(int(counts[s]))]
+        yield _mixed_part(spans, sources, rows)
+        del spans  # the spans hold their parts' blocks: let go of them while the part is used
+
+
+def _mixed_part(spans: list[tuple[Part, int, int]], sources: np.ndarray, rows: Rows) -> Part:
+    """The rows of ``spans`` (by source, each source's in draw order) in the order of
+    ``sources``: their blocks joined, then one take."""
+    blocks, picks, labels, keys, offset = [], [], [], [], 0
+    for part, a, b in spans:
+        taken = part.rows
+        block, at = (taken.rows, taken.indices[a:b]) if isinstance(taken, _Taken) \
+            else (taken, np.arange(a, b))  # fmt: skip
+        blocks.append(block)
+        picks.append(at + offset)
+        offset += rows.size(block)
+        labels.append(batching.cut(part.labels, a, b))
+        keys.append(part.keys[a:b])
+    where = np.empty(sources.size, dtype=np.int64)  # row i of the part is span row where[i]
+    where[np.argsort(sources, kind="stable")] = np.arange(sources.size)
+    joined = blocks[0] if len(blocks) == 1 else rows.join(blocks)
+    taken = rows.take(joined, np.concatenate(picks)[where])
+    return Part(taken, batching.take(batching.concat(labels), where), np.concatenate(keys)[where])
 
 
 # ---------------------------------------------------------------- parameters
