@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from itertools import chain, compress, repeat
+from itertools import chain, compress, islice, repeat
 from typing import Any
 
 import numpy as np
@@ -402,11 +402,10 @@ def hand_out_samples(
     unless it is None (it returns :data:`LEFT_OUT` to leave one out). An unreadable sample (a
     ``None`` row, or a row flagged :data:`SKIPPED`) is reported to ``skipped`` with its labels
     when its turn comes."""
-    for part in parts:
-        samples, unreadable = _whole_samples(part)
+    for samples, unreadable in chain.from_iterable(map(_sample_slices, parts)):
         stack = [_DONE]
         stack += reversed(samples)
-        del part, samples  # the stack holds the samples, and lets go of each as it is handed out
+        del samples  # the stack holds the samples, and lets go of each as it is handed out
         progress.start_window(stack)
         if finish is None and not unreadable:
             yield from iter(stack.pop, _DONE)
@@ -422,34 +421,42 @@ def hand_out_samples(
     progress.start_window([])
 
 
-def _whole_samples(part: Part) -> tuple[list, list[dict]]:
-    """The part's samples built from its columns with their labels and ``__aug__``, in one
-    pass per part, ``None`` where unreadable, and what ``skipped`` is told of each unreadable
-    one, in order."""
-    labels = _label_lists(part)
+def _sample_slices(part: Part) -> Iterator[tuple[list, list[dict]]]:
+    """The part's samples built from its columns with their labels and ``__aug__``, ``None``
+    where unreadable, and what ``skipped`` is told of each unreadable one, in order: in slices
+    of at most ``_GROUP`` rows (a window's), read from the columns in place, so that fewer
+    dicts are alive at once (less for the cyclic collector to walk, a mixed part being several
+    windows) and each slice's values are still in cache when its dicts are built."""
     columns = dict(part.rows)
     flags, lacking = columns.pop(SKIPPED, None), columns.pop(_ABSENT_ROWS, None)
+    labels = _label_lists(part)
     columns.update(labels)
-    samples = batching.rows_of(list(columns), list(map(batching.as_list, columns.values())))
-    for i in [] if lacking is None else compress(range(len(samples)), lacking):
-        samples[i] = {k: v for k, v in samples[i].items() if v is not _ABSENT}
-    missing = [] if flags is None else list(compress(range(len(samples)), flags))
-    for i in missing:
-        samples[i] = None
-    if not missing:
-        return samples, []
-    names = ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
-    return samples, [{n: labels[n][i] for n in names} for i in missing]
-
-
-def _label_lists(part: Part) -> dict[str, list]:
-    """A part's labels and parameters (``__aug__``, one dict per row) as lists of Python
-    values, in the order a sample holds them: ``__index__``, ``__pad__``, ``__aug__``, then
-    the others."""
+    names, at = list(columns), list(columns).index("__aug__")
+    values = [None if c is None else iter(batching.as_list(c)) for c in columns.values()]
     params = part.params
-    out = {"__index__": part.labels["__index__"], "__pad__": part.labels["__pad__"],
-           "__aug__": batching.rows_of(list(params), [c.tolist() for c in params.values()]),
-           **part.labels}  # fmt: skip
+    param_values = [iter(c.tolist()) for c in params.values()]
+    flags, lacking = (None if f is None else iter(f) for f in (flags, lacking))
+    for start in range(0, part.keys.size, _GROUP):
+        n = min(_GROUP, part.keys.size - start)
+        cols = [None if v is None else islice(v, n) for v in values]
+        cols[at] = batching.rows_of(list(params), [islice(v, n) for v in param_values])
+        samples = batching.rows_of(names, cols)
+        for i in [] if lacking is None else compress(range(n), islice(lacking, n)):
+            samples[i] = {k: v for k, v in samples[i].items() if v is not _ABSENT}
+        missing = [] if flags is None else list(compress(range(n), islice(flags, n)))
+        for i in missing:
+            samples[i] = None
+        told = ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
+        yield samples, [{k: labels[k][start + i] for k in told} for i in missing]
+
+
+def _label_lists(part: Part) -> dict[str, list | None]:
+    """A part's labels as lists of Python values, in the order a sample holds them:
+    ``__index__``, ``__pad__``, ``__aug__`` (its parameters, built by slices: None here), then
+    the others."""
+    labels = part.labels
+    out = {"__index__": labels["__index__"], "__pad__": labels["__pad__"], "__aug__": None,
+           **labels}  # fmt: skip
     return {n: c.tolist() if isinstance(c, np.ndarray) else c for n, c in out.items()}
 
 
