@@ -133,11 +133,26 @@ COLUMNS = Rows(
     from_samples=_columns_of_samples,
     arrow=True,
 )
+
+
+def _taken_values(columns: Columns, indices: np.ndarray) -> Columns:
+    """Rows ``indices`` of columns of Python values, as tuples: the cyclic collector stops
+    tracking a tuple of untracked values (bytes, text, numbers) the first time it meets it,
+    where it walks a list again at each collection that the list outlives (the rows of a mixed
+    part of several windows outlive several)."""
+    positions = indices.tolist()
+    return {
+        name: _taken_values(col, indices) if isinstance(col, dict) else
+        tuple(map(batching.as_list(col).__getitem__, positions))
+        for name, col in columns.items()
+    }  # fmt: skip
+
+
 # Columns of Python values, built into samples at hand-out (per-sample passes): converting a
 # block's values while it is in cache, then gathering references, beats a dict per row read
 # and held in a window (fewer objects for the cyclic collector to walk, too).
-VALUE_COLUMNS = replace(COLUMNS, join=_joined_values, from_samples=_value_columns_of_samples,
-                        arrow=False)  # fmt: skip
+VALUE_COLUMNS = replace(COLUMNS, join=_joined_values, take=_taken_values,
+                        from_samples=_value_columns_of_samples, arrow=False)  # fmt: skip
 
 
 @dataclass
@@ -351,8 +366,9 @@ def mix(streams: list[Iterator[Part]], chunks: Iterable[np.ndarray], rows: Rows)
     for sources in chunks:
         counts = np.bincount(sources)  # np.unique: ~25x the time on a chunk (numpy 2.4)
         spans = [span for s in np.flatnonzero(counts) for span in cursors[s].take(int(counts[s]))]
-        yield _mixed_part(spans, sources, rows)
-        del spans  # the spans hold their parts' blocks: let go of them while the part is used
+        part = _mixed_part(spans, sources, rows)
+        del spans  # they hold their parts' blocks: let go of them while the part is handed out
+        yield part
 
 
 def _mixed_part(spans: list[tuple[Part, int, int]], sources: np.ndarray, rows: Rows) -> Part:
@@ -424,40 +440,44 @@ def hand_out_samples(
 def _sample_slices(part: Part) -> Iterator[tuple[list, list[dict]]]:
     """The part's samples built from its columns with their labels and ``__aug__``, ``None``
     where unreadable, and what ``skipped`` is told of each unreadable one, in order: in slices
-    of at most ``_GROUP`` rows (a window's), read from the columns in place, so that fewer
-    dicts are alive at once (less for the cyclic collector to walk, a mixed part being several
-    windows) and each slice's values are still in cache when its dicts are built."""
+    of at most ``_GROUP`` rows (a window's), each column read in place or converted by slice,
+    so that few dicts and values are alive at once (less for the cyclic collector to walk, a
+    mixed part being several windows) and each slice's values are in cache when it is built."""
     columns = dict(part.rows)
     flags, lacking = columns.pop(SKIPPED, None), columns.pop(_ABSENT_ROWS, None)
-    labels = _label_lists(part)
-    columns.update(labels)
-    names, at = list(columns), list(columns).index("__aug__")
-    values = [None if c is None else iter(batching.as_list(c)) for c in columns.values()]
-    params = part.params
-    param_values = [iter(c.tolist()) for c in params.values()]
+    labels = part.labels
+    columns.update({"__index__": labels["__index__"], "__pad__": labels["__pad__"],
+                    "__aug__": part.params, **labels})  # fmt: skip
+    names = list(columns)
+    values = [c if isinstance(c, (np.ndarray, dict)) else iter(batching.as_list(c))
+              for c in columns.values()]  # fmt: skip
     flags, lacking = (None if f is None else iter(f) for f in (flags, lacking))
+    told = ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
     for start in range(0, part.keys.size, _GROUP):
-        n = min(_GROUP, part.keys.size - start)
-        cols = [None if v is None else islice(v, n) for v in values]
-        cols[at] = batching.rows_of(list(params), [islice(v, n) for v in param_values])
-        samples = batching.rows_of(names, cols)
+        stop = min(start + _GROUP, part.keys.size)
+        samples = batching.rows_of(names, [_slice(v, start, stop) for v in values])
+        n = stop - start
         for i in [] if lacking is None else compress(range(n), islice(lacking, n)):
             samples[i] = {k: v for k, v in samples[i].items() if v is not _ABSENT}
         missing = [] if flags is None else list(compress(range(n), islice(flags, n)))
         for i in missing:
             samples[i] = None
-        told = ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
-        yield samples, [{k: labels[k][start + i] for k in told} for i in missing]
+        yield samples, [{k: _item(labels[k][start + i]) for k in told} for i in missing]
 
 
-def _label_lists(part: Part) -> dict[str, list | None]:
-    """A part's labels as lists of Python values, in the order a sample holds them:
-    ``__index__``, ``__pad__``, ``__aug__`` (its parameters, built by slices: None here), then
-    the others."""
-    labels = part.labels
-    out = {"__index__": labels["__index__"], "__pad__": labels["__pad__"], "__aug__": None,
-           **labels}  # fmt: skip
-    return {n: c.tolist() if isinstance(c, np.ndarray) else c for n, c in out.items()}
+def _slice(values: Any, start: int, stop: int) -> Iterable:
+    """Rows ``[start, stop)`` of a column as Python values: of a numpy column (a label), of
+    parameters (one dict per row: ``__aug__``), or the next of an iterator over the rows."""
+    if isinstance(values, np.ndarray):
+        return values[start:stop].tolist()
+    if isinstance(values, dict):
+        return batching.rows_of(list(values), [c[start:stop].tolist() for c in values.values()])
+    return islice(values, stop - start)
+
+
+def _item(value: Any) -> Any:
+    """A numpy scalar as a Python value."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def hand_out_rows(
