@@ -448,9 +448,9 @@ def _sample_slices(part: Part) -> Iterator[tuple[list, list[dict]]]:
     labels = part.labels
     columns.update({"__index__": labels["__index__"], "__pad__": labels["__pad__"],
                     "__aug__": part.params, **labels})  # fmt: skip
-    names = list(columns)
-    values = [c if isinstance(c, (np.ndarray, dict)) else iter(batching.as_list(c))
-              for c in columns.values()]  # fmt: skip
+    names, whole = list(columns), part.keys.size <= _GROUP  # whole: one slice, no iterators
+    values = [c if isinstance(c, (np.ndarray, dict)) else batching.as_list(c) if whole else
+              iter(batching.as_list(c)) for c in columns.values()]  # fmt: skip
     flags, lacking = (None if f is None else iter(f) for f in (flags, lacking))
     told = ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
     for start in range(0, part.keys.size, _GROUP):
@@ -467,12 +467,13 @@ def _sample_slices(part: Part) -> Iterator[tuple[list, list[dict]]]:
 
 def _slice(values: Any, start: int, stop: int) -> Iterable:
     """Rows ``[start, stop)`` of a column as Python values: of a numpy column (a label), of
-    parameters (one dict per row: ``__aug__``), or the next of an iterator over the rows."""
+    parameters (one dict per row: ``__aug__``), the next of an iterator over the rows, or a
+    whole column (a part of one slice)."""
     if isinstance(values, np.ndarray):
         return values[start:stop].tolist()
     if isinstance(values, dict):
         return batching.rows_of(list(values), [c[start:stop].tolist() for c in values.values()])
-    return islice(values, stop - start)
+    return islice(values, stop - start) if isinstance(values, Iterator) else values
 
 
 def _item(value: Any) -> Any:
