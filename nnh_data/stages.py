@@ -136,13 +136,14 @@ COLUMNS = Rows(
 
 
 def _taken_values(columns: Columns, indices: np.ndarray) -> Columns:
-    """Rows ``indices`` of columns of Python values, as tuples: the cyclic collector stops
-    tracking a tuple of untracked values (bytes, text, numbers) the first time it meets it,
-    where it walks a list again at each collection that the list outlives (the rows of a mixed
-    part of several windows outlive several)."""
+    """Rows ``indices`` of columns of Python values, as tuples (numpy columns stay numpy):
+    the cyclic collector stops tracking a tuple of untracked values (bytes, text, numbers) the
+    first time it meets it, where it walks a list again at each collection that the list
+    outlives (the rows of a mixed part of several windows outlive several)."""
     positions = indices.tolist()
     return {
         name: _taken_values(col, indices) if isinstance(col, dict) else
+        col[indices] if isinstance(col, np.ndarray) else
         tuple(map(batching.as_list(col).__getitem__, positions))
         for name, col in columns.items()
     }  # fmt: skip
