@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from itertools import chain, compress, repeat
+from itertools import chain, compress, islice, repeat
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,7 @@ __all__ = [
     "Progress",
     "Rows",
     "assemble",
+    "deferred",
     "hand_out_batches",
     "hand_out_rows",
     "hand_out_samples",
@@ -139,10 +140,26 @@ COLUMNS = Rows(
     from_samples=_columns_of_samples,
     arrow=True,
 )
+
+
+def _taken_values(columns: Columns, indices: np.ndarray) -> Columns:
+    """Rows ``indices`` of columns of Python values, as tuples (numpy columns stay numpy):
+    the cyclic collector stops tracking a tuple of untracked values (bytes, text, numbers) the
+    first time it meets it, where it walks a list again at each collection that the list
+    outlives (the rows of a mixed part of several windows outlive several)."""
+    positions = indices.tolist()
+    return {
+        name: _taken_values(col, indices) if isinstance(col, dict) else
+        col[indices] if isinstance(col, np.ndarray) else
+        tuple(map(batching.as_list(col).__getitem__, positions))
+        for name, col in columns.items()
+    }  # fmt: skip
+
+
 # Columns of Python values, built into samples at hand-out (per-sample passes): converting a
 # block's values while it is in cache, then gathering references, beats a dict per row read
 # and held in a window (fewer objects for the cyclic collector to walk, too).
-VALUE_COLUMNS = replace(COLUMNS, join=_joined_values, label=_label_columns,
+VALUE_COLUMNS = replace(COLUMNS, join=_joined_values, take=_taken_values, label=_label_columns,
                         from_samples=_value_columns_of_samples, arrow=False)  # fmt: skip
 
 
@@ -303,38 +320,49 @@ def assemble(
 # ---------------------------------------------------------------- mix
 
 
+@dataclass(frozen=True)
+class _Taken:
+    """Rows ``rows`` at ``indices``, not gathered yet: a source's window assembled for
+    :func:`mix` (:func:`deferred`), which gathers each row once, into the mixed order."""
+
+    rows: Any
+    indices: np.ndarray
+
+
+def deferred(rows: Rows) -> Rows:
+    """``rows`` whose take is left to :func:`mix`: the rows of the sources it mixes are then
+    gathered once, from the blocks as read, not into each source's order first."""
+    return replace(rows, take=_Taken)
+
+
 class _PartCursor:
-    """The rows of a stream of parts, taken ``n`` at a time as parts."""
+    """The rows of a stream of parts, taken ``n`` at a time as spans ``(part, a, b)`` (rows
+    ``[a, b)`` of ``part``): nothing is cut or copied."""
 
-    def __init__(self, parts: Iterator[Part], rows: Rows) -> None:
-        self._parts, self._ops = parts, rows
-        self._held: Part | None = None
+    def __init__(self, parts: Iterator[Part]) -> None:
+        self._parts = parts
+        self._part: Part | None = None
+        self._at = 0
 
-    def take(self, n: int) -> Part:
-        pieces = []
+    def take(self, n: int) -> list[tuple[Part, int, int]]:
+        spans = []
         while n:
-            if self._held is None or self._held.keys.size == 0:
-                self._held = next(self._parts)
-                continue
-            part, k = self._held, min(n, self._held.keys.size)
-            pieces.append(_cut_part(part, 0, k, self._ops))
-            self._held = _cut_part(part, k, part.keys.size, self._ops)
-            n -= k
-        return pieces[0] if len(pieces) == 1 else _join_parts(pieces, self._ops)
-
-
-def _cut_part(part: Part, a: int, b: int, rows: Rows) -> Part:
-    return Part(rows.cut(part.rows, a, b), batching.cut(part.labels, a, b), part.keys[a:b])
-
-
-def _join_parts(parts: list[Part], rows: Rows) -> Part:
-    labels = batching.concat([p.labels for p in parts])
-    return Part(rows.join([p.rows for p in parts]), labels, np.concatenate([p.keys for p in parts]))
+            if self._part is None:
+                self._part, self._at = next(self._parts), 0
+            part, a = self._part, self._at
+            b = self._at = min(part.keys.size, a + n)
+            if b > a:
+                spans.append((part, a, b))
+                n -= b - a
+            if b == part.keys.size:  # let go of a part taken whole
+                self._part = None
+        return spans
 
 
 def mix(streams: list[Iterator[Part]], chunks: Iterable[np.ndarray], rows: Rows) -> Iterator[Part]:
     """Parts whose rows come from several part ``streams``: each of ``chunks`` gives the
-    stream of every row of one part, in order (each stream is read in its own order).
+    stream of every row of one part, in order (each stream is read in its own order). The
+    streams' rows may be :func:`deferred`: each row is then gathered once, here.
 
     Example:
         >>> a = iter([Part({"x": [1, 2, 3]}, {"__index__": np.arange(3)}, np.arange(3))])
@@ -342,15 +370,33 @@ def mix(streams: list[Iterator[Part]], chunks: Iterable[np.ndarray], rows: Rows)
         >>> [p.rows["x"] for p in mix([a, b], [np.array([0, 1, 0]), np.array([1, 0])], COLUMNS)]
         [[1, 10, 2], [20, 3]]
     """
-    cursors = [_PartCursor(iter(s), rows) for s in streams]
+    cursors = [_PartCursor(iter(s)) for s in streams]
     for sources in chunks:
         counts = np.bincount(sources)  # np.unique: ~25x the time on a chunk (numpy 2.4)
-        used = np.flatnonzero(counts)
-        combined = _join_parts([cursors[s].take(int(counts[s])) for s in used], rows)
-        where = np.empty(sources.size, dtype=np.int64)  # row i of the chunk is combined[where[i]]
-        where[np.argsort(sources, kind="stable")] = np.arange(sources.size)
-        yield Part(rows.take(combined.rows, where), batching.take(combined.labels, where),
-                   combined.keys[where])  # fmt: skip
+        spans = [span for s in np.flatnonzero(counts) for span in cursors[s].take(int(counts[s]))]
+        part = _mixed_part(spans, sources, rows)
+        del spans  # they hold their parts' blocks: let go of them while the part is handed out
+        yield part
+
+
+def _mixed_part(spans: list[tuple[Part, int, int]], sources: np.ndarray, rows: Rows) -> Part:
+    """The rows of ``spans`` (by source, each source's in draw order) in the order of
+    ``sources``: their blocks joined, then one take."""
+    blocks, picks, labels, keys, offset = [], [], [], [], 0
+    for part, a, b in spans:
+        taken = part.rows
+        block, at = (taken.rows, taken.indices[a:b]) if isinstance(taken, _Taken) \
+            else (taken, np.arange(a, b))  # fmt: skip
+        blocks.append(block)
+        picks.append(at + offset)
+        offset += rows.size(block)
+        labels.append(batching.cut(part.labels, a, b))
+        keys.append(part.keys[a:b])
+    where = np.empty(sources.size, dtype=np.int64)  # row i of the part is span row where[i]
+    where[np.argsort(sources, kind="stable")] = np.arange(sources.size)
+    joined = blocks[0] if len(blocks) == 1 else rows.join(blocks)
+    taken = rows.take(joined, np.concatenate(picks)[where])
+    return Part(taken, batching.take(batching.concat(labels), where), np.concatenate(keys)[where])
 
 
 # ---------------------------------------------------------------- parameters
@@ -380,11 +426,10 @@ def hand_out_samples(
     unless it is None (it returns :data:`LEFT_OUT` to leave one out). An unreadable sample (a
     ``None`` row, or a row flagged :data:`SKIPPED`) is reported to ``skipped`` with its labels
     when its turn comes."""
-    for part in parts:
-        samples, unreadable = _whole_samples(part)
+    for samples, unreadable in chain.from_iterable(map(_sample_slices, parts)):
         stack = [_DONE]
         stack += reversed(samples)
-        del part, samples  # the stack holds the samples, and lets go of each as it is handed out
+        del samples  # the stack holds the samples, and lets go of each as it is handed out
         progress.start_window(stack)
         if finish is None and not unreadable:
             yield from iter(stack.pop, _DONE)
@@ -400,35 +445,48 @@ def hand_out_samples(
     progress.start_window([])
 
 
-def _whole_samples(part: Part) -> tuple[list, list[dict]]:
-    """The part's samples built from its columns with their labels and ``__aug__``, in one
-    pass per part, ``None`` where unreadable, and what ``skipped`` is told of each unreadable
-    one, in order."""
-    labels = _label_lists(part)
+def _sample_slices(part: Part) -> Iterator[tuple[list, list[dict]]]:
+    """The part's samples built from its columns with their labels and ``__aug__``, ``None``
+    where unreadable, and what ``skipped`` is told of each unreadable one, in order: in slices
+    of at most ``_GROUP`` rows (a window's), each column read in place or converted by slice,
+    so that few dicts and values are alive at once (less for the cyclic collector to walk, a
+    mixed part being several windows) and each slice's values are in cache when it is built."""
     columns = dict(part.rows)
     flags, lacking = columns.pop(SKIPPED, None), columns.pop(_ABSENT_ROWS, None)
-    columns.update(labels)
-    samples = batching.rows_of(list(columns), list(map(batching.as_list, columns.values())))
-    for i in [] if lacking is None else compress(range(len(samples)), lacking):
-        samples[i] = {k: v for k, v in samples[i].items() if v is not _ABSENT}
-    missing = [] if flags is None else list(compress(range(len(samples)), flags))
-    for i in missing:
-        samples[i] = None
-    if not missing:
-        return samples, []
-    names = ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
-    return samples, [{n: labels[n][i] for n in names} for i in missing]
+    labels = part.labels
+    columns.update({"__index__": labels["__index__"], "__pad__": labels["__pad__"],
+                    "__aug__": part.params, **labels})  # fmt: skip
+    names, whole = list(columns), part.keys.size <= _GROUP  # whole: one slice, no iterators
+    values = [c if isinstance(c, (np.ndarray, dict)) else batching.as_list(c) if whole else
+              iter(batching.as_list(c)) for c in columns.values()]  # fmt: skip
+    flags, lacking = (None if f is None else iter(f) for f in (flags, lacking))
+    told = ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
+    for start in range(0, part.keys.size, _GROUP):
+        stop = min(start + _GROUP, part.keys.size)
+        samples = batching.rows_of(names, [_slice(v, start, stop) for v in values])
+        n = stop - start
+        for i in [] if lacking is None else compress(range(n), islice(lacking, n)):
+            samples[i] = {k: v for k, v in samples[i].items() if v is not _ABSENT}
+        missing = [] if flags is None else list(compress(range(n), islice(flags, n)))
+        for i in missing:
+            samples[i] = None
+        yield samples, [{k: _item(labels[k][start + i]) for k in told} for i in missing]
 
 
-def _label_lists(part: Part) -> dict[str, list]:
-    """A part's labels and parameters (``__aug__``, one dict per row) as lists of Python
-    values, in the order a sample holds them: ``__index__``, ``__pad__``, ``__aug__``, then
-    the others."""
-    params = part.params
-    out = {"__index__": part.labels["__index__"], "__pad__": part.labels["__pad__"],
-           "__aug__": batching.rows_of(list(params), [c.tolist() for c in params.values()]),
-           **part.labels}  # fmt: skip
-    return {n: c.tolist() if isinstance(c, np.ndarray) else c for n, c in out.items()}
+def _slice(values: Any, start: int, stop: int) -> Iterable:
+    """Rows ``[start, stop)`` of a column as Python values: of a numpy column (a label), of
+    parameters (one dict per row: ``__aug__``), the next of an iterator over the rows, or a
+    whole column (a part of one slice)."""
+    if isinstance(values, np.ndarray):
+        return values[start:stop].tolist()
+    if isinstance(values, dict):
+        return batching.rows_of(list(values), [c[start:stop].tolist() for c in values.values()])
+    return islice(values, stop - start) if isinstance(values, Iterator) else values
+
+
+def _item(value: Any) -> Any:
+    """A numpy scalar as a Python value."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def hand_out_rows(

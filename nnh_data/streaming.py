@@ -579,7 +579,8 @@ def _worker_parts(
     draws = _source_draws(mixed, plan)
     following = [None] * len(readers) if upcoming is None else _source_draws(
         MixedOrder(mixed.counts, mixed.seed, epoch + 1), upcoming)  # fmt: skip
-    streams = [r.parts(epoch, *draws[s], rows, following=following[s], num_workers=num_workers,
+    deferred = stages.deferred(rows)  # each row gathered once, by the mix
+    streams = [r.parts(epoch, *draws[s], deferred, following=following[s], num_workers=num_workers,
                        meter=meter) for s, r in enumerate(readers)]  # fmt: skip
     chunks = [mixed.assign(a, min(a + _MIX_CHUNK, hi))[0]
               for lo, hi in plan.positions for a in range(lo, hi, _MIX_CHUNK)]  # fmt: skip

@@ -19,6 +19,11 @@ def pairs(shard: int, start: int, stop: int) -> list[tuple[int, int]]:
     return [(a, min(a + 2, stop)) for a in range(start, stop, 2)]
 
 
+def values(rows) -> dict:
+    """Rows as columns of lists (a per-sample pass takes them as tuples)."""
+    return {name: list(col) for name, col in rows.items()}
+
+
 def decoded(order: EpochOrder, blocks, rows: stages.Rows):
     """Decode blocks of the fake dataset: sample g is {"g": g}."""
     starts = np.concatenate(([0], np.cumsum(order.counts)))
@@ -51,7 +56,7 @@ def test_assemble_gives_each_position_its_sample_then_the_pads(rows, window):
                                  len(plan.pads), rows))  # fmt: skip
     got = []
     for part in parts:
-        g = part.rows["g"]
+        g = values(part.rows)["g"]
         assert list(g) == part.labels["__index__"].tolist() == part.keys.tolist()
         got += [(x, bool(p)) for x, p in zip(g, part.labels["__pad__"])]
     positions = np.concatenate([np.arange(a, b) for a, b in plan.positions])
@@ -68,7 +73,7 @@ def test_pads_after_a_window_read_in_part_are_their_own_samples(rows, positions)
     blocks = list(stages.read_plan(order, positions, 4, pairs)) + list(stages.pad_plan(order, [1]))
     parts = list(stages.assemble(decoded(order, blocks, rows), order, positions, 4, 1, rows))
     pad = parts[-1]
-    g = pad.rows["g"]
+    g = values(pad.rows)["g"]
     assert list(g) == pad.labels["__index__"].tolist() == order.sample_ids(np.array([1])).tolist()
 
 
@@ -130,3 +135,63 @@ def test_columns_flag_unreadable_rows():
     values = stages.VALUE_COLUMNS.from_samples([{"a": 1, "b": 2}, {"a": 3}, None])
     assert values[stages.SKIPPED] == [False, False, True] and values["a"][:2] == [1, 3]
     assert values["b"][0] == 2 and values["b"][1] is not None  # absent, not None: left out
+
+
+def source_parts(source: int, sizes: list[int], rows: stages.Rows) -> list[stages.Part]:
+    """Parts of ``sizes`` rows of samples ``{"g": 100 * source + i}``, each assembled as a
+    shuffled window is: rows taken from a block in a permuted order (deferred by ``rows`` or
+    not)."""
+    parts, rng, first = [], np.random.default_rng(source), 100 * source
+    for size in sizes:
+        block = stages.COLUMNS.from_samples([{"g": first + i} for i in range(size + 2)])
+        at = rng.permutation(size + 2)[:size]  # a window read in part
+        ids = first + at
+        labels = {"__index__": ids, "__pad__": np.zeros(size, bool), "__source__": [source] * size}
+        parts.append(stages.Part(rows.take(block, at), labels, ids))
+        first += size + 2
+    return parts
+
+
+@pytest.mark.parametrize(
+    "sizes, sources",
+    [
+        ([[4, 3, 5], [2, 2], [1]], [0, 1, 0, 0, 2, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0]),  # one-row source
+        ([[6], [3, 1]], [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]),  # a source exhausted first
+        ([[5], [0, 2]], [0, 0, 0, 0, 0, 1, 1]),  # an empty part; one source per chunk
+    ],
+)
+@pytest.mark.parametrize("chunk", [1, 3, 4, 100])
+def test_mix_of_deferred_windows_is_the_mix_of_taken_ones(sizes, sources, chunk):
+    # the same permutations taken at once (deferred) or first per source, then mixed
+    def mixed(rows, out):
+        streams = [iter(source_parts(s, n, rows)) for s, n in enumerate(sizes)]
+        chunks = [np.array(sources[a : a + chunk]) for a in range(0, len(sources), chunk)]
+        return list(stages.mix(streams, chunks, out))
+
+    def plain(parts):
+        return [(values(p.rows), {k: list(v) for k, v in p.labels.items()}, list(p.keys))
+                for p in parts]  # fmt: skip
+
+    eager = mixed(stages.COLUMNS, stages.COLUMNS)
+    assert plain(mixed(stages.deferred(stages.COLUMNS), stages.COLUMNS)) == plain(eager)
+    assert plain(mixed(stages.VALUE_COLUMNS, stages.VALUE_COLUMNS)) == plain(eager)
+    ids = np.concatenate([p.labels["__index__"] for p in eager])
+    assert (ids // 100).tolist() == sources == sum((p.labels["__source__"] for p in eager), [])
+    assert sum((p.rows["g"] for p in eager), []) == ids.tolist()
+
+
+def test_hand_out_samples_builds_a_long_part_in_slices():
+    # a part of several windows (a mixed chunk): samples built a window at a time, the same
+    n = 2500
+    rows = [None if i % 700 == 3 else {"k": i} | ({"x": i} if i % 3 else {}) for i in range(n)]
+    (part,) = make_parts([rows])
+    progress, skipped = stages.Progress(), []
+    out = stages.hand_out_samples([part], progress, None, skipped.append)
+    first = [next(out) for _ in range(1500)]
+    assert progress.handed_out() == 1500 + 3  # three unreadable before
+    got = first + list(out)
+    expected = [{**r, "__index__": i, "__pad__": False, "__aug__": {"twice": 2 * i}}
+                for i, r in enumerate(rows) if r is not None]  # fmt: skip
+    assert got == expected and [list(s) for s in got] == [list(s) for s in expected]
+    assert [label["__index__"] for label in skipped] == [i for i, r in enumerate(rows) if r is None]
+    assert progress.handed_out() == n
