@@ -43,11 +43,36 @@ def job_env(**extra: str) -> dict[str, str]:
     return {**base, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1", **extra}
 
 
+_STARTED: list[tuple[subprocess.Popen, Path]] = []
+
+
+@pytest.fixture(autouse=True)
+def no_job_left():
+    """Kill what a test started and left running (one that failed waiting for a step): the
+    job's process group, then every process that names its folder (ranks in process groups of
+    their own, their loader workers), so nothing of it outlives the test."""
+    yield
+    while _STARTED:
+        job, folder = _STARTED.pop()
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        named = str(folder).encode()
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and named in (entry / "cmdline").read_bytes():
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:  # ended meanwhile
+                continue
+
+
 def start(folder: Path, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
     """``command`` in its own session (a terminal's process group), stderr to ``folder/name``."""
     with open(folder / name, "w") as err:
-        return subprocess.Popen(command, env=env, stderr=err, stdout=subprocess.DEVNULL,
-                                start_new_session=True)  # fmt: skip
+        job = subprocess.Popen(command, env=env, stderr=err, stdout=subprocess.DEVNULL,
+                               start_new_session=True)  # fmt: skip
+    _STARTED.append((job, folder))
+    return job
 
 
 def python_ranks(folder: Path, tag: str, *args: str, env: dict | None = None) -> list:
