@@ -23,16 +23,17 @@ from tests.examples.frameworks import (
     common_args,
     run,
 )
-from tests.support import ROOT, SCRIPTS
+from tests.support import ROOT, SCRIPTS, free_port
 
 pytest.importorskip("accelerate")
 SCRIPT = str(ROOT / "examples" / "accelerate_train.py")
 
 
 def accelerate(script: str, *args: str) -> list[str]:
+    # a free port, not accelerate's 29500: launches of tests running side by side collide there
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-              "--dynamo_backend", "no"]  # fmt: skip
+              "--dynamo_backend", "no", "--main_process_port", str(free_port())]  # fmt: skip
     return [*launch, script, *args]
 
 
