@@ -59,6 +59,9 @@ _BUFFER_STEP = 64 << 10  # read buffers are made in multiples of this
 # a larger block (one large sample) is read into memory of its own, let go of once decoded: a
 # reused buffer keeps its size for the whole pass
 _REUSED_BYTES = 4 << 20
+# buffers a reader keeps for reuse: blocks whose values are held as views (batches of a shuffle
+# window, kept by the caller) keep theirs; past this many, a block gets memory of its own
+_KEPT_BUFFERS = 16
 _CHUNK_BYTES = 16 << 20  # a decoded piece holds its bytes twice (payload and samples)
 
 
@@ -140,8 +143,9 @@ class ShardReader:
         nothing holds its last view, instead of new memory per block, which the kernel maps and
         zero-fills page by page (20,000 page faults and 12-15% of the CPU of a pass over 100,000
         samples of 3 KiB). A view is valid while it is held: a buffer with a view alive (a
-        read-ahead thread's blocks in flight, a block kept) is never read into. A block of more
-        than 4 MiB (a large sample) comes as bytes of its own."""
+        read-ahead thread's blocks in flight, a block kept, values decoded as Arrow views of
+        it) is never read into. A block of more than 4 MiB (a large sample), or one read while
+        16 buffers are held, comes in memory of its own."""
         check_int("start", start, low=0, high=info.num_samples)
         check_int("stop", stop, low=start, high=info.num_samples)
         if info.format != "tar" or not is_local(info.url):
@@ -182,10 +186,14 @@ class ShardReader:
         buffers = self._buffers
         free = (i for i in range(len(buffers)) if sys.getrefcount(buffers[i]) <= 2)
         number = next(free, len(buffers))
-        if number == len(buffers) or len(buffers[number]) < size:
+        if number == len(buffers) == _KEPT_BUFFERS:
+            buffer = bytearray(size)
+        elif number == len(buffers) or len(buffers[number]) < size:
             buffer = bytearray(-(-size // _BUFFER_STEP) * _BUFFER_STEP)  # a shard's last block
             buffers[number : number + 1] = [buffer]  # reads the end marker too: a little more
-        view = memoryview(buffers[number])[:size]
+        else:
+            buffer = buffers[number]
+        view = memoryview(buffer)[:size]
         return view[: os.preadv(fd, [view], offset)]
 
     def _local_file(self, url: str) -> BinaryIO | None:
@@ -262,13 +270,18 @@ def _decode_tar(info: ShardInfo, buf: bytes, start: int, stop: int) -> list[dict
 
 
 def _parsed_tar(
-    info: ShardInfo, buf: bytes | memoryview, start: int, stop: int, as_columns: bool
+    info: ShardInfo,
+    buf: bytes | memoryview,
+    start: int,
+    stop: int,
+    as_columns: bool,
+    views: bool = False,
 ) -> Parsed:
     """Samples ``[start, stop)`` parsed (:func:`parse_samples`), checked against the index."""
     base = int(info.offsets[start])
     buf, size, offsets = _tar_payload(info, buf, start, stop)
     try:
-        parsed = parse_samples(buf, 0, size, as_columns=as_columns)
+        parsed = parse_samples(buf, 0, size, as_columns=as_columns, views=views)
     except TarFormatError as exc:
         position = _position(info, start, offsets, exc.offset)
         raise ShardError(info.url, position, exc.reason) from exc
@@ -371,17 +384,20 @@ def decode_shard_columns(
     start: int,
     stop: int,
     from_samples: Callable[[list[dict]], Columns] = columns_of,
+    views: bool = False,
 ) -> Columns:
     """Samples ``[start, stop)`` as columns (:mod:`nnh_data.batching`), in shard order.
 
     Values are those of :func:`decode_shard_range`, except that Parquet columns come as read
     (numeric and boolean columns without nulls as numpy arrays, the others as Arrow arrays).
     Tar samples that do not all have the first one's fields are made columns by
-    ``from_samples`` (by default ``None`` where a sample lacks a field).
+    ``from_samples`` (by default ``None`` where a sample lacks a field). With ``views``, the
+    values of plain tar blocks come as Arrow ``binary_view`` arrays into ``payload``
+    (:func:`~nnh_data.tar_format.parse_samples`).
     """
     if info.format == "parquet":
         return dict(payload)
-    parsed = _parsed_tar(info, payload, start, stop, as_columns=True)
+    parsed = _parsed_tar(info, payload, start, stop, as_columns=True, views=views)
     return from_samples(parsed.samples) if parsed.columns is None else parsed.columns
 
 

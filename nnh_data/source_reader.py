@@ -219,7 +219,9 @@ class SourceReader:
         try:
             if isinstance(payload, ShardError):
                 raise payload
-            out = decode_shard_columns(info, payload, start, stop, rows.from_samples)
+            out = decode_shard_columns(
+                info, payload, start, stop, rows.from_samples, views=rows.arrow
+            )
         except ShardError as exc:
             if cached is not None and cached.copy_failed(info):
                 meter.add(RETRIES, 1)

@@ -26,6 +26,7 @@ from operator import eq, ne
 from typing import NamedTuple
 
 import numpy as np
+import pyarrow as pa
 
 from nnh_data.batching import rows_of
 
@@ -76,6 +77,11 @@ _META = re.compile(r"__[^/]*__($|/)")
 _WDS_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _NOT_IN_KEYS = np.zeros(256, bool)  # bytes the keys _group_fixed takes do not hold
 _NOT_IN_KEYS[[0, ord("\n"), ord("."), ord("/")]] = _NOT_IN_KEYS[128:] = True
+# An Arrow binary view holds a value of up to 12 bytes itself, after its size: the bytes of
+# its two little-endian words to keep for each size up to 12
+_LOW_KEPT = np.array([(1 << 8 * min(4 + s, 8)) - 1 for s in range(13)], np.uint64)
+_HIGH_KEPT = np.array([(1 << 8 * max(s - 4, 0)) - 1 for s in range(13)], np.uint64)
+_VIEW = np.dtype((np.void, 16))  # one binary view: size, then the value or prefix, buffer, offset
 
 
 class TarFormatError(ValueError):
@@ -100,7 +106,8 @@ class Parsed(NamedTuple):
     end: bool  # True when the end-of-archive marker was reached
     # with ``as_columns``, the samples as columns by field (``samples`` then empty) when they all
     # have the first one's fields in its order, as :func:`nnh_data.batching.columns_of` makes
-    columns: dict[str, list] | None = None
+    # (with ``views``, values as Arrow arrays)
+    columns: dict[str, list | pa.Array] | None = None
 
 
 def split_name(path: str) -> tuple[str | None, str]:
@@ -127,6 +134,7 @@ def parse_samples(
     need_data: bool = True,
     key: str | None = None,
     as_columns: bool = False,
+    views: bool = False,
 ) -> Parsed:
     """Parse the members in ``buf`` from ``pos`` up to ``limit`` (or the end-of-archive marker)
     and group them into samples ``{"__key__": key, field: bytes, ...}``.
@@ -138,7 +146,9 @@ def parse_samples(
     on from there (``stop`` may lie beyond ``buf`` when data is skipped). Raises
     :class:`TarFormatError` on a bad header or a field repeated within a sample. With
     ``as_columns`` samples of the usual layout come as ``columns`` instead of dicts (no dict per
-    sample to build and take apart again).
+    sample to build and take apart again); with ``views`` too, the values of plain blocks come as
+    Arrow ``binary_view`` arrays pointing into ``buf`` (no copy, no object per value: they are
+    copied once, when a batch is packed or a sample handed out; ``buf`` lives while they do).
 
     Blocks of plain ustar files take a vectorised path (:func:`parse_plain`); anything else
     (PAX or GNU headers, directories, unusual names, errors) the exact member loop
@@ -147,7 +157,7 @@ def parse_samples(
     >>> parse_samples(tar_bytes, 0, len(tar_bytes)).samples  # doctest: +SKIP
     [{'__key__': '000000', 'cls': b'3', 'jpg': b'...'}, ...]
     """
-    plain = parse_plain(buf, pos, limit, need_data, key, as_columns)
+    plain = parse_plain(buf, pos, limit, need_data, key, as_columns, views)
     if plain is not None:
         return plain
     buf = buf if isinstance(buf, bytes) else bytes(buf)  # its values are slices: bytes
@@ -327,6 +337,7 @@ def parse_plain(
     need_data: bool,
     key: str | None,
     as_columns: bool = False,
+    views: bool = False,
 ) -> Parsed | None:
     """:func:`parse_samples` for a block of plain ustar files named ``key.field``, with numpy
     and C-level maps instead of a loop over members; None when the block holds anything else
@@ -357,19 +368,58 @@ def parse_plain(
     if not count:
         return Parsed([], [], key, stop, end)
     values = None
-    if need_data:
-        view = memoryview(buf)  # as quick as slicing bytes, and bytes from a view too
-        values = [view[a:b].tobytes() for a, b in zip(data.tolist(), ends.tolist())]
+    if views and as_columns and need_data and len(buf) < 1 << 31:  # offsets are int32
+        values = _value_views(buf, heads[:count], sizes[:count])
+    if values is None and need_data:
+        values = _values(buf, data[:count], ends[:count])
     grouped = _group_fixed(rows[:count], key, values, as_columns)
     if grouped is None:
+        if isinstance(values, np.ndarray):  # views: for _group, bytes
+            values = _values(buf, data[:count], ends[:count])
         grouped = _group(_name_text(rows[:count]), count, key, values, as_columns)
     if grouped is None:
         return None
     firsts, samples, key = grouped
+    if isinstance(values, np.ndarray):  # grouped as machine words: columns of views
+        data_buffer = pa.py_buffer(buf)
+        samples = {name: col if isinstance(col, list) else _view_array(col, data_buffer)
+                   for name, col in samples.items()}  # fmt: skip
     starts = (heads[:count][firsts] * BLOCK).tolist()
     if isinstance(samples, dict):
         return Parsed(starts, [], key, stop, end, samples)
     return Parsed(starts, samples, key, stop, end)
+
+
+def _values(buf: bytes | memoryview, starts: np.ndarray, ends: np.ndarray) -> list[bytes]:
+    """The values from ``starts`` to ``ends`` in ``buf``, as bytes."""
+    view = memoryview(buf)  # as quick as slicing bytes, and bytes from a view too
+    return [view[a:b].tobytes() for a, b in zip(starts.tolist(), ends.tolist())]
+
+
+def _value_views(
+    buf: bytes | memoryview, heads: np.ndarray, sizes: np.ndarray
+) -> np.ndarray | None:
+    """The Arrow binary views of the values of the members whose headers are blocks ``heads``
+    of ``buf`` (``sizes`` long), made by numpy from each value's first 16 bytes: its size, then
+    a value of up to 12 bytes itself (zero-padded), or a longer one's first 4 bytes, buffer 0
+    and its offset. None when a value begins in a last, partial block."""
+    words = _blocks(buf).view("<u8")  # 64 words of 8 bytes per block
+    at = heads + 1  # each value's first block
+    if at[-1] >= len(words):
+        return None
+    first = words[at, :2]
+    size, kept = sizes.astype(np.uint64), np.minimum(sizes, 12)
+    out = np.empty((len(at), 2), np.uint64)
+    out[:, 0] = ((first[:, 0] << np.uint64(32)) | size) & _LOW_KEPT[kept]
+    inline = ((first[:, 0] >> np.uint64(32)) | (first[:, 1] << np.uint64(32))) & _HIGH_KEPT[kept]
+    out[:, 1] = np.where(sizes > 12, at.astype(np.uint64) * np.uint64(BLOCK << 32), inline)
+    return out.view(_VIEW)[:, 0]
+
+
+def _view_array(views: np.ndarray, data: pa.Buffer) -> pa.Array:
+    """A ``binary_view`` array of ``views`` (:func:`_value_views`) into ``data``."""
+    views = np.ascontiguousarray(views)
+    return pa.Array.from_buffers(pa.binary_view(), len(views), [None, pa.py_buffer(views), data])
 
 
 def _header_chain(
@@ -489,7 +539,7 @@ def _group(
 
 
 def _group_fixed(
-    rows: np.ndarray, key: str | None, values: list[bytes] | None, as_columns: bool
+    rows: np.ndarray, key: str | None, values: list[bytes] | np.ndarray | None, as_columns: bool
 ) -> tuple[list[int], list[dict] | dict[str, list], str | None] | None:
     """:func:`_group` for the usual names, compared as machine words instead of matched as
     text: ``key.field`` with an ASCII key (no newline) of one width in every name (its first

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from nnh_data import ShardedStreamingDataset, Source, source_reader
+from nnh_data import ShardedStreamingDataset, Source, source_reader, streaming_loader
 from nnh_data.error_policy import ErrorPolicy
 from nnh_data.mixing import SourceDraws
 from nnh_data.shard_index import ShardError
@@ -239,3 +239,32 @@ def test_a_stateful_loader_resumed_mid_epoch_reads_the_rest_with_their_own_bytes
     rest = [item for batch in resumed for item in batch]
     whole = handed_ids(list(ShardedStreamingDataset(sources, seed=5, shuffle_window=40)))
     assert len(handed) == 13 * 8 and Counter(handed + rest) == Counter(whole)
+
+
+def test_batches_kept_for_a_whole_pass_keep_their_own_bytes(tar_shards, monkeypatch):
+    """A dataset's own batches, and the streaming loader's at 0 workers, hold tar values as
+    Arrow views of the read buffers (no copy per value): a buffer a kept batch views is not
+    read into again, and past 16 such buffers a block is read into memory of its own. Batches
+    kept for a whole pass of ~30 blocks each hold their own bytes (a block of fewer than 32
+    members is parsed member by member, into bytes: source "a" here)."""
+    readers: list[ShardReader] = []
+
+    class Recorded(ShardReader):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            readers.append(self)
+
+    monkeypatch.setattr(source_reader, "ShardReader", Recorded)
+    monkeypatch.setattr(source_reader, "_LOCAL_TAR_READ_BYTES", 64 << 10)
+    sources = [Source(tar_shards(counts, name=name, size=SOURCE_SIZES[name], pax=False), name=name)
+               for name, counts in [("a", [150, 110]), ("b", [400, 400])]]  # fmt: skip
+
+    def dataset(**kwargs) -> ShardedStreamingDataset:
+        return ShardedStreamingDataset(sources, seed=5, shuffle_window=40, **kwargs)
+
+    own = list(dataset(batch_size=8))
+    collated = list(streaming_loader(dataset(), 8))
+    whole = Counter(handed_ids(list(dataset())))
+    for batches in (own, collated):
+        assert Counter(i for batch in batches for i in handed_ids(batch)) == whole
+    assert max(len(reader._buffers) for reader in readers) == 16  # the kept batches hold them

@@ -2,15 +2,17 @@ from __future__ import annotations
 
 import functools
 import io
+import random
 import tarfile
 
+import pyarrow as pa
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
 from nnh_data import tar_format
-from nnh_data.batching import columns_of
+from nnh_data.batching import as_list, columns_of
 from nnh_data.tar_format import (
     BLOCK,
     Parsed,
@@ -218,6 +220,13 @@ def test_fast_path_takes_plain_archives_and_matches_webdataset(archive):
     assert parsed.samples == webdataset_samples(buf)
 
 
+def as_bytes(parsed):
+    """``parsed`` with Arrow columns (views) as lists of their values."""
+    if not isinstance(parsed, Parsed) or parsed.columns is None:
+        return parsed
+    return parsed._replace(columns={k: as_list(c) for k, c in parsed.columns.items()})
+
+
 @settings(max_examples=200, deadline=None)
 @given(archives(), st.data())
 def test_columns_are_the_samples_as_columns(archive, data):
@@ -226,12 +235,40 @@ def test_columns_are_the_samples_as_columns(archive, data):
     pos = BLOCK * data.draw(st.integers(0, len(buf) // BLOCK)) if data.draw(st.booleans()) else 0
     key = data.draw(st.sampled_from([None, *KEYS]))
     rows = outcome(parse_samples, buf, pos, len(buf), True, key)
-    got = outcome(functools.partial(parse_samples, as_columns=True), buf, pos, len(buf), True, key)
+    columns = functools.partial(parse_samples, as_columns=True)
+    got = outcome(columns, buf, pos, len(buf), True, key)
+    viewed = functools.partial(columns, views=True)
+    views = outcome(viewed, bytearray(buf), pos, len(buf), True, key)
+    assert as_bytes(views) == got  # values as Arrow views of the buffer, where they are
     if isinstance(got, Parsed) and got.columns is not None:
         assert got.samples == [] and got.columns == columns_of(rows.samples)
         assert list(got.columns) == list(columns_of(rows.samples))  # the fields' order
         got = got._replace(samples=rows.samples, columns=None)
     assert got == rows
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_plain_values_come_as_views_of_the_buffer(cut):
+    """With ``views``, a plain block's values are Arrow binary views: one of up to 12 bytes
+    held in its view, a longer one pointing into the buffer. A block that ends inside its last
+    member's first data block gives bytes instead (no whole block to read views from)."""
+    rng = random.Random(0)
+    sizes = [*range(16), 500, 511, 512, 513, 3000, 14] * 2
+    members = [(f"{i:04d}.{field}", rng.randbytes(size if field == "a" else (size * 7) % 20))
+               for i, size in enumerate(sizes) for field in ("a", "b")]  # fmt: skip
+    buf = tar_bytes(members, format=tarfile.USTAR_FORMAT)
+    if cut:  # the last value is 18 bytes: keep 20 of its block
+        buf = buf[: buf.rindex(members[-1][1]) + 20]
+    got = parse_samples(bytearray(buf), 0, len(buf), as_columns=True, views=True)
+    assert as_bytes(got) == parse_samples(buf, 0, len(buf), as_columns=True)
+    values = [got.columns[field] for field in ("a", "b")]
+    if cut:
+        assert all(isinstance(v, list) for v in values)
+        return
+    for column in values:
+        assert column.type == pa.binary_view()
+        column.validate(full=True)
+    assert got.columns["a"].to_pylist() == [data for name, data in members[::2]]
 
 
 @settings(max_examples=200, deadline=None)
