@@ -116,8 +116,14 @@ def constant(value: Any, rows: int) -> Column:
     """
     if isinstance(value, str):
         keys = np.zeros(rows, np.int32)
-        return pa.DictionaryArray.from_arrays(keys, pa.array([value]), safe=False)
+        return pa.DictionaryArray.from_arrays(keys, _one_value(value), safe=False)
     return [value] * rows
+
+
+@functools.lru_cache(maxsize=256)
+def _one_value(text: str) -> pa.Array:
+    """The dictionary of :func:`constant` (a shard's URL labels each of its blocks)."""
+    return pa.array([text], pa.string())
 
 
 def take(columns: Columns, indices: np.ndarray) -> Columns:
@@ -173,12 +179,18 @@ def _view_rows(column: pa.Array, indices: np.ndarray) -> pa.Array:
 def one_array(column: pa.Array | pa.ChunkedArray) -> pa.Array:
     """``column`` as one array: the array itself, the only chunk, or the chunks joined (a
     window read from two blocks: Arrow takes from one array 3-5x faster than from chunks;
-    views are joined without copying their values), with
-    dictionary chunks decoded first (joining dictionaries hashes every value to unify them)."""
+    views are joined without copying their values). Dictionary chunks are joined as they are
+    when their dictionaries hold fewer values than a quarter of the rows (joining unifies the
+    dictionaries, hashing each of their values: a shard's URL, one value per block), else
+    decoded first."""
     if isinstance(column, pa.Array):
         return column
     if column.num_chunks == 1:
         return column.chunk(0)
+    if pa.types.is_dictionary(column.type):
+        values = sum(len(chunk.dictionary) for chunk in column.chunks)
+        if 4 * values < len(column):
+            return pa.concat_arrays(column.chunks)
     return arrow_values(column).combine_chunks()
 
 

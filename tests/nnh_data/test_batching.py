@@ -130,7 +130,11 @@ def test_a_constant_text_column_is_arrow_and_reads_like_its_list():
     assert as_list(url["u"]) == ["a/s.tar"] * 4 and constant(3, 2) == [3, 3]
     taken = take(concat([url, other]), np.array([5, 0, 4, 1], dtype=np.int64))
     assert as_list(taken["u"]) == ["b/t.tar", "a/s.tar", "b/t.tar", "a/s.tar"]
-    for column in (cut(url, 1, 3)["u"], taken["u"], concat([taken, url])["u"], constant("x", 0)):
+    blocks = concat([{"u": constant("a/s.tar", 50)}, {"u": constant("b/t.tar", 30)}])
+    backwards = take(blocks, np.arange(79, -1, -1))["u"]  # joined as keys: small dictionaries
+    assert backwards.type == url["u"].type and as_list(backwards) == as_list(blocks["u"])[::-1]
+    for column in (cut(url, 1, 3)["u"], taken["u"], concat([taken, url])["u"], constant("x", 0),
+                   backwards):  # fmt: skip
         packed = PackedField.from_arrow(column)
         assert packed.kind == "str" and packed == as_list(column)
         assert PackedField(packed.data, packed.offsets, "str", None) == as_list(column)
