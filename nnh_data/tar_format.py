@@ -23,7 +23,7 @@ import struct
 import tarfile
 from itertools import compress, repeat
 from operator import eq, ne
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -360,40 +360,57 @@ def parse_plain(
         return None
     if not files.all():
         heads, rows, sizes = heads[files], rows[files], sizes[files]
-    data = (heads + 1) * BLOCK
-    ends = data + sizes
+    ends = (heads + 1) * BLOCK + sizes
     count = len(heads)
     if need_data and count and ends[-1] > len(buf):  # only the last member can be cut off
         stop, end, count = int(heads[-1]) * BLOCK, False, count - 1
     if not count:
         return Parsed([], [], key, stop, end)
-    values = None
-    if views and as_columns and need_data and len(buf) < 1 << 31:  # offsets are int32
-        values = _value_views(buf, heads[:count], sizes[:count])
-    if values is None and need_data:
-        values = _values(buf, data[:count], ends[:count])
-    grouped = _group_fixed(rows[:count], key, values, as_columns)
-    if grouped is None:
-        if isinstance(values, np.ndarray):  # views: for _group, bytes
-            values = _values(buf, data[:count], ends[:count])
-        grouped = _group(_name_text(rows[:count]), count, key, values, as_columns)
+    grouped = _grouped(buf, heads[:count], rows[:count], sizes[:count], need_data, key,
+                       as_columns, views)  # fmt: skip
     if grouped is None:
         return None
     firsts, samples, key = grouped
-    if isinstance(values, np.ndarray):  # grouped as machine words: columns of views
-        data_buffer = pa.py_buffer(buf)
-        samples = {name: col if isinstance(col, list) else _view_array(col, data_buffer)
-                   for name, col in samples.items()}  # fmt: skip
     starts = (heads[:count][firsts] * BLOCK).tolist()
     if isinstance(samples, dict):
         return Parsed(starts, [], key, stop, end, samples)
     return Parsed(starts, samples, key, stop, end)
 
 
-def _values(buf: bytes | memoryview, starts: np.ndarray, ends: np.ndarray) -> list[bytes]:
-    """The values from ``starts`` to ``ends`` in ``buf``, as bytes."""
-    view = memoryview(buf)  # as quick as slicing bytes, and bytes from a view too
-    return [view[a:b].tobytes() for a, b in zip(starts.tolist(), ends.tolist())]
+def _grouped(
+    buf: bytes | memoryview,
+    heads: np.ndarray,
+    rows: np.ndarray,
+    sizes: np.ndarray,
+    need_data: bool,
+    key: str | None,
+    as_columns: bool,
+    views: bool,
+) -> tuple[list[int], list[dict] | dict[str, list | pa.Array], str | None] | None:
+    """The members at blocks ``heads`` (header ``rows``, values ``sizes`` long) grouped into
+    samples (:func:`_group_fixed`, else :func:`_group`), their values read as Arrow views of
+    ``buf`` and, unless ``views`` asks for those, made bytes by Arrow (1.8x quicker than
+    slicing each in Python)."""
+    values = None
+    if need_data:
+        values = _value_views(buf, heads, sizes) if len(buf) < 1 << 31 else None  # int32
+        if values is None:  # a value begins in a last, partial block
+            view, starts = memoryview(buf), ((heads + 1) * BLOCK).tolist()
+            values = [view[a : a + n].tobytes() for a, n in zip(starts, sizes.tolist())]
+    grouped = _group_fixed(rows, key, values)
+    if grouped is None:
+        if isinstance(values, np.ndarray):
+            values = _view_array(values, pa.py_buffer(buf)).to_pylist()
+        return _group(_name_text(rows), len(rows), key, values, as_columns)
+    firsts, columns, key = grouped
+    if isinstance(values, np.ndarray):
+        data = pa.py_buffer(buf)
+        keep = views and as_columns
+        columns = {name: col if isinstance(col, list) else _view_array(col, data) if keep else
+                   _view_array(col, data).to_pylist() for name, col in columns.items()}  # fmt: skip
+    if need_data and not as_columns:
+        return firsts, rows_of(list(columns), list(columns.values())), key
+    return firsts, columns if need_data else [], key
 
 
 def _value_views(
@@ -539,13 +556,14 @@ def _group(
 
 
 def _group_fixed(
-    rows: np.ndarray, key: str | None, values: list[bytes] | np.ndarray | None, as_columns: bool
-) -> tuple[list[int], list[dict] | dict[str, list], str | None] | None:
+    rows: np.ndarray, key: str | None, values: list[bytes] | np.ndarray | None
+) -> tuple[list[int], dict[str, Any], str | None] | None:
     """:func:`_group` for the usual names, compared as machine words instead of matched as
     text: ``key.field`` with an ASCII key (no newline) of one width in every name (its first
     dot at the same place) and no "/", each sample with the fields of the first in its order,
     none continuing the sample before (key ``key``); None for anything else, which
-    :func:`_group` decides."""
+    :func:`_group` decides. The samples come as columns (each field's values taken from
+    ``values``, or none without them)."""
     count = len(rows)
     width = next((w for w in (16, 32, 64) if not rows[:, w].any()), None)
     if width is None:
@@ -584,11 +602,9 @@ def _group_fixed(
         return None
     firsts = list(range(0, count, fields))
     if values is None:
-        return firsts, [], sample_keys[-1]
+        return firsts, {}, sample_keys[-1]
     columns = [sample_keys, *(values[j::fields] for j in range(fields))]
-    if as_columns:
-        return firsts, dict(zip(names_, columns)), sample_keys[-1]
-    return firsts, rows_of(names_, columns), sample_keys[-1]
+    return firsts, dict(zip(names_, columns)), sample_keys[-1]
 
 
 @functools.lru_cache(maxsize=64)
