@@ -9,7 +9,7 @@ in one process, best of ``--rounds`` rounds in which the passes take turns, CPU 
 - ``nnh_read``: only the reads an nnh epoch makes (every shard in 2 MiB blocks, the pieces
   ``split_shard_range`` cuts, through ``ShardReader``);
 - ``nnh_read_parse``: those reads and each block's tar parse and checks
-  (``decode_shard_columns``), nothing else.
+  (``decode_shard_columns``, values as Arrow views, as a batch pass reads them), nothing else.
 
 ``read_parse_over_litdata`` is the floor's share of LitData's whole epoch, and
 ``rest_budget_us`` what a 1.2x lead over LitData would leave for everything after the parse
@@ -49,7 +49,7 @@ def read_pass(blocks: list[tuple], parse: bool) -> int:
     for info, a, b in blocks:
         payload = reader.fetch_block(info, a, b)
         if parse:
-            decode_shard_columns(info, payload, a, b)
+            decode_shard_columns(info, payload, a, b, views=True)  # as a batch pass reads
         count += b - a
     reader.close()
     return count
