@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import tarfile
 import warnings
 from collections import Counter
@@ -241,12 +242,8 @@ def test_a_stateful_loader_resumed_mid_epoch_reads_the_rest_with_their_own_bytes
     assert len(handed) == 13 * 8 and Counter(handed + rest) == Counter(whole)
 
 
-def test_batches_kept_for_a_whole_pass_keep_their_own_bytes(tar_shards, monkeypatch):
-    """A dataset's own batches, and the streaming loader's at 0 workers, hold tar values as
-    Arrow views of the read buffers (no copy per value): a buffer a kept batch views is not
-    read into again, and past 16 such buffers a block is read into memory of its own. Batches
-    kept for a whole pass of ~30 blocks each hold their own bytes (a block of fewer than 32
-    members is parsed member by member, into bytes: source "a" here)."""
+def recorded_readers(monkeypatch) -> list[ShardReader]:
+    """The readers that passes make from now on (to look at their read buffers)."""
     readers: list[ShardReader] = []
 
     class Recorded(ShardReader):
@@ -255,6 +252,16 @@ def test_batches_kept_for_a_whole_pass_keep_their_own_bytes(tar_shards, monkeypa
             readers.append(self)
 
     monkeypatch.setattr(source_reader, "ShardReader", Recorded)
+    return readers
+
+
+def test_batches_kept_for_a_whole_pass_keep_their_own_bytes(tar_shards, monkeypatch):
+    """A dataset's own batches, and the streaming loader's at 0 workers, hold tar values as
+    Arrow views of the read buffers (no copy per value): a buffer a kept batch views is not
+    read into again, and past 16 such buffers a block is read into memory of its own. Batches
+    kept for a whole pass of ~30 blocks each hold their own bytes (a block of fewer than 32
+    members is parsed member by member, into bytes: source "a" here)."""
+    readers = recorded_readers(monkeypatch)
     monkeypatch.setattr(source_reader, "_LOCAL_TAR_READ_BYTES", 64 << 10)
     sources = [Source(tar_shards(counts, name=name, size=SOURCE_SIZES[name], pax=False), name=name)
                for name, counts in [("a", [150, 110]), ("b", [400, 400])]]  # fmt: skip
@@ -268,3 +275,25 @@ def test_batches_kept_for_a_whole_pass_keep_their_own_bytes(tar_shards, monkeypa
     for batches in (own, collated):
         assert Counter(i for batch in batches for i in handed_ids(batch)) == whole
     assert max(len(reader._buffers) for reader in readers) == 16  # the kept batches hold them
+
+
+def test_short_values_kept_over_a_pass_hold_no_read_buffer(tar_shards, monkeypatch):
+    """Values of up to 12 bytes (labels: "cls") are held in their Arrow views themselves: a
+    batch's field of them, kept for a whole pass, holds no read block (else keeping the labels
+    of every batch, a few bytes each, held every block of the pass in memory), and the reader
+    reads every block into the few buffers it reuses."""
+    readers = recorded_readers(monkeypatch)
+    monkeypatch.setattr(source_reader, "_LOCAL_TAR_READ_BYTES", 64 << 10)
+    urls = tar_shards([400, 400], size=1000, pax=False)  # 25 samples per block
+    ds = ShardedStreamingDataset(urls, seed=5, shuffle_window=40, batch_size=8)
+    gc.disable()  # a buffer is free once nothing holds it, not once a collection finds so
+    try:
+        labels = [batch["cls"] for batch in ds]
+        (reader,) = readers
+        buffers = reader._buffers
+        assert len(buffers) < 16
+        assert all(sys.getrefcount(buffers[i]) <= 2 for i in range(len(buffers)))  # all free
+    finally:
+        gc.enable()
+    samples = ShardedStreamingDataset(urls, seed=5, shuffle_window=40)
+    assert [v for field in labels for v in field.tolist()] == [s["cls"] for s in samples]
