@@ -5,8 +5,11 @@ reader stay bounded (issue 24)."""
 
 from __future__ import annotations
 
+import copy
 import gc
+import io
 import os
+import pickle
 import sys
 import tarfile
 import warnings
@@ -21,6 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from nnh_data import ShardedStreamingDataset, Source, source_reader, streaming_loader
 from nnh_data.error_policy import ErrorPolicy
 from nnh_data.mixing import SourceDraws
+from nnh_data.packed import PackedField
 from nnh_data.shard_index import ShardError
 from nnh_data.shards import ShardReader, build_shard_index
 from nnh_data.source_reader import SourceReader
@@ -297,3 +301,54 @@ def test_short_values_kept_over_a_pass_hold_no_read_buffer(tar_shards, monkeypat
         gc.enable()
     samples = ShardedStreamingDataset(urls, seed=5, shuffle_window=40)
     assert [v for field in labels for v in field.tolist()] == [s["cls"] for s in samples]
+
+
+def _pickled(field: PackedField) -> PackedField:
+    return pickle.loads(pickle.dumps(field))
+
+
+def _saved(field: PackedField) -> PackedField:
+    file = io.BytesIO()
+    torch.save({"field": field}, file)
+    file.seek(0)
+    return torch.load(file, weights_only=False)["field"]
+
+
+# the ways to read a kept batch's field, each giving its values as a list
+READS = {
+    "index": lambda f: [f[i] for i in range(len(f))],
+    "negative index": lambda f: [f[i - len(f)] for i in range(len(f))],
+    "slices": lambda f: f[:3].tolist() + list(f[3:]),
+    "iteration": list,
+    "tolist": PackedField.tolist,
+    "data": lambda f: [f.data[a:b].numpy().tobytes() for a, b in zip(f.offsets, f.offsets[1:])],
+    "pickle": lambda f: _pickled(f).tolist(),
+    "torch.save": lambda f: _saved(f).tolist(),
+    "copy": lambda f: copy.copy(f).tolist(),
+    "deepcopy": lambda f: copy.deepcopy(f).tolist(),
+}
+
+
+@pytest.mark.parametrize("readahead", [0, 3])
+@pytest.mark.parametrize("collated", [False, True])
+def test_kept_batches_read_late_in_every_way_give_their_own_values(
+    tar_shards, monkeypatch, readahead, collated
+):
+    """A dataset's own batches (or the streaming loader's, at 0 workers) kept for a pass of
+    22 blocks (more than the 16 buffers a reader keeps), each read only after the pass, in
+    one of the ways a ``PackedField`` is read: every value is its sample's."""
+    readers = recorded_readers(monkeypatch)
+    monkeypatch.setattr(source_reader, "_LOCAL_TAR_READ_BYTES", 64 << 10)  # 25 samples
+    urls = tar_shards([300, 250], size=1000, pax=False)
+    ds = ShardedStreamingDataset(urls, seed=2, shuffle_window=60, readahead=readahead,
+                                 batch_size=None if collated else 8)  # fmt: skip
+    batches = list(streaming_loader(ds, 8) if collated else ds)
+    wrong = []
+    for j, batch in enumerate(batches):
+        how = list(READS)[j % len(READS)]
+        ids = [int(key) for key in batch["__key__"]]
+        got = READS[how](batch["bin"]), READS[how](batch["cls"])
+        if got != ([sample_bytes(g, 1000) for g in ids], [b"%d" % g for g in ids]):
+            wrong.append((j, how))
+    assert len(batches) == 550 // 8 + 1 and wrong == []
+    assert max(len(reader._buffers) for reader in readers) == 16  # the kept batches hold them
