@@ -434,9 +434,13 @@ def _value_views(
 
 
 def _view_array(views: np.ndarray, data: pa.Buffer) -> pa.Array:
-    """A ``binary_view`` array of ``views`` (:func:`_value_views`) into ``data``."""
+    """A ``binary_view`` array of ``views`` (:func:`_value_views`) into ``data``; one of values
+    of up to 12 bytes (held in the views themselves) does not hold ``data``, so that a field of
+    labels kept by the caller does not keep the whole block in memory."""
     views = np.ascontiguousarray(views)
-    return pa.Array.from_buffers(pa.binary_view(), len(views), [None, pa.py_buffer(views), data])
+    inline = (views.view("<i4")[::4] <= 12).all()  # each view starts with its value's size
+    buffers = [None, pa.py_buffer(views)] + ([] if inline else [data])
+    return pa.Array.from_buffers(pa.binary_view(), len(views), buffers)
 
 
 def _header_chain(
