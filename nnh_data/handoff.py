@@ -154,13 +154,19 @@ def collate_rows(rows: Sequence[tuple[dict[str, Any], int]]) -> dict[str, Any]:
     """Collate the ``(columns, i)`` rows of :func:`nnh_data.stages.hand_out_rows`: the batch
     :func:`collate_samples` makes of the same samples as dicts, taken from their columns."""
     pieces = []
-    for columns, group in groupby(rows, key=itemgetter(0)):
-        at = [i for _, i in group]
+    for _, group in groupby(rows, key=_part_of):  # by identity: parts may hold equal values
+        rows_of_part = list(group)
+        columns, at = rows_of_part[0][0], [i for _, i in rows_of_part]
         if at[-1] - at[0] == len(at) - 1:
             pieces.append(batching.cut(columns, at[0], at[-1] + 1))
         else:
             pieces.append(batching.take(columns, np.array(at, dtype=np.int64)))
     return handed_out(_as_collated(batching.concat(pieces)))
+
+
+def _part_of(row: tuple[dict[str, Any], int]) -> int:
+    """The identity of a row's part (its columns dict)."""
+    return id(row[0])
 
 
 def _as_collated(columns: dict[str, Any]) -> dict[str, Any]:

@@ -46,7 +46,12 @@ _PACKAGES = {"accelerate": "accelerate", "lightning": "lightning",
 def check_caller() -> None:
     """Raise ``RuntimeError`` when the function calling this one was called by a framework
     wrapper that shards its loader again (see the module's docstring)."""
-    owner = sys._getframe(2).f_locals.get("self")
+    frame = sys._getframe(2)
+    # only a framework's frame: before Python 3.13, reading f_locals keeps a copy of the
+    # caller's locals in its frame (a training loop's dropped batches) until it returns
+    if frame.f_globals.get("__name__", "").split(".")[0] not in _PACKAGES:
+        return
+    owner = frame.f_locals.get("self")
     if owner is None:
         return
     cls = type(owner)  # not owner.__class__: Accelerate's loaders pose as their base loader

@@ -398,12 +398,6 @@ def test_passes_let_go_of_their_read_buffers(tar_shards, monkeypatch, readahead)
     assert all(reader() is None for reader in left)
 
 
-@pytest.mark.xfail(
-    sys.version_info < (3, 13), strict=True,
-    reason="second_cut.check_caller (in set_epoch and __iter__) reads the caller's "
-    "frame.f_locals: before Python 3.13 that keeps a snapshot of the caller's locals (here "
-    "the first pass's batches) in its frame, until the next call or the frame's end",
-)  # fmt: skip
 def test_batches_the_caller_drops_hold_no_read_buffer(tar_shards, monkeypatch):
     """A caller iterating the dataset itself, epoch after epoch, that drops the batches of a
     pass lets go of them, and so of the read buffers they view."""
@@ -420,12 +414,6 @@ def test_batches_the_caller_drops_hold_no_read_buffer(tar_shards, monkeypatch):
     assert len(readers) == 2 and all(map(all_free, readers))
 
 
-@pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="handoff.collate_rows groups rows by their columns dict with ==, which compares "
-    "the parts' columns (equal keys and values, then numpy __index__: ValueError); group by "
-    "identity, groupby(rows, key=lambda row: id(row[0])), the columns from a group's first row",
-)  # fmt: skip
 def test_the_streaming_loader_collates_a_source_read_again_in_order(tar_shards):
     """An unshuffled source drawn three times (its cycles one part each, of the same keys and
     values): the streaming loader's batches, at 0 workers, hold each draw's own values."""
