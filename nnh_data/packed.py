@@ -146,9 +146,12 @@ class PackedField:
                 raise ValueError(f"a PackedField slice must have step 1, got {index.step}")
             stop = max(start, stop)
             valid = None if self.valid is None else self.valid[start:stop]
-            if values is not None:
-                return PackedField._kept(values[start:stop], self.kind, valid)
-            return PackedField(self._data, self._offsets[start : stop + 1], self.kind, valid)
+            if values is None:
+                return PackedField(self._data, self._offsets[start : stop + 1], self.kind, valid)
+            kept = values[start:stop]
+            if not isinstance(kept, list) and is_view(kept.type):  # its own bytes, not the
+                return PackedField(*_arrow_packed(kept), self.kind, valid)  # blocks viewed
+            return PackedField._kept(kept, self.kind, valid)
         n = len(self)
         i = operator.index(index)
         i = i + n if i < 0 else i

@@ -283,26 +283,34 @@ def test_batches_kept_for_a_whole_pass_keep_their_own_bytes(tar_shards, monkeypa
     assert max(len(reader._buffers) for reader in readers) == 16  # the kept batches hold them
 
 
-def test_short_values_kept_over_a_pass_hold_no_read_buffer(tar_shards, monkeypatch):
-    """Values of up to 12 bytes (labels: "cls") are held in their Arrow views themselves: a
-    batch's field of them, kept for a whole pass, holds no read block (else keeping the labels
-    of every batch, a few bytes each, held every block of the pass in memory), and the reader
-    reads every block into the few buffers it reuses."""
+KEPT = {  # a part of each batch a loop keeps: its labels; its first payload, sliced
+    "cls": lambda batch: batch["cls"],
+    "bin": lambda batch: batch["bin"][:1],
+}
+
+
+@pytest.mark.parametrize("name", list(KEPT))
+def test_values_kept_over_a_pass_hold_no_read_buffer(tar_shards, monkeypatch, name):
+    """Values of up to 12 bytes (labels: "cls") are held in their Arrow views themselves, and a
+    slice of a field copies its own values: either, kept from every batch of a pass, holds no
+    read block (else keeping a few bytes of each batch held every block of the pass in memory),
+    and the reader reads every block into the few buffers it reuses."""
     readers = recorded_readers(monkeypatch)
     monkeypatch.setattr(source_reader, "_LOCAL_TAR_READ_BYTES", 64 << 10)
     urls = tar_shards([400, 400], size=1000, pax=False)  # 25 samples per block
     ds = ShardedStreamingDataset(urls, seed=5, shuffle_window=40, batch_size=8)
     gc.disable()  # a buffer is free once nothing holds it, not once a collection finds so
     try:
-        labels = [batch["cls"] for batch in ds]
+        kept = [KEPT[name](batch) for batch in ds]
         (reader,) = readers
         buffers = reader._buffers
         assert len(buffers) < 16
         assert all(sys.getrefcount(buffers[i]) <= 2 for i in range(len(buffers)))  # all free
     finally:
         gc.enable()
-    samples = ShardedStreamingDataset(urls, seed=5, shuffle_window=40)
-    assert [v for field in labels for v in field.tolist()] == [s["cls"] for s in samples]
+    samples = list(ShardedStreamingDataset(urls, seed=5, shuffle_window=40))
+    expected = [s[name] for s in (samples if name == "cls" else samples[::8])]
+    assert [v for field in kept for v in field.tolist()] == expected
 
 
 def _pickled(field: PackedField) -> PackedField:
