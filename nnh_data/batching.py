@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from nnh_data.packed import arrow_values, as_views, is_view
+from nnh_data.packed import arrow_kind, arrow_values, as_views, is_view
 
 Column = list | np.ndarray | pa.Array | pa.ChunkedArray | dict
 ARROW = (pa.Array, pa.ChunkedArray)
@@ -139,17 +139,22 @@ def take(columns: Columns, indices: np.ndarray) -> Columns:
 
 def _arrow_rows(column: pa.Array | pa.ChunkedArray, indices: np.ndarray) -> pa.Array:
     """Rows ``indices`` of an Arrow column. Of views (long bytes and text read from Parquet,
-    :func:`~nnh_data.packed.as_views`), the 16-byte views are gathered, not the values, so the
-    bytes of a shuffled batch are copied once, when it is packed
-    (:class:`~nnh_data.packed.PackedField`). A dictionary array's keys are taken; other types
-    are taken by Arrow."""
+    :func:`~nnh_data.packed.as_views`), the 16-byte views are gathered, not the values; other
+    bytes and text without nulls (short values) become a dictionary array over the column,
+    ``indices`` its keys: either way the bytes of a shuffled batch are copied once, when it is
+    packed (:class:`~nnh_data.packed.PackedField`), not also here (Arrow's take of short text
+    costs 4-5x a dictionary's making). A dictionary array's keys are taken; other types are
+    taken by Arrow."""
     column = one_array(column)
-    if pa.types.is_dictionary(column.type):  # its keys taken (by numpy unless one is null)
+    kind = column.type
+    if pa.types.is_dictionary(kind):  # its keys taken (by numpy unless one is null)
         keys = column.indices
         taken = keys.take(indices) if keys.null_count else keys.to_numpy()[indices]
         return pa.DictionaryArray.from_arrays(taken, column.dictionary, safe=False)
-    if is_view(column.type):  # Arrow has no take for views
+    if is_view(kind):  # Arrow has no take for views
         return _view_rows(column, indices)
+    if arrow_kind(kind) is not None and not column.null_count:
+        return pa.DictionaryArray.from_arrays(indices, column)
     return column.take(indices)
 
 

@@ -120,6 +120,32 @@ def test_views_taken_give_the_values_of_lists(values, data):
     assert PackedField(packed.data, packed.offsets, packed.kind, packed.valid) == as_list(taken)
 
 
+@given(st.lists(st.text(max_size=6), min_size=1, max_size=12), st.data())
+def test_short_text_without_nulls_is_taken_as_a_dictionary_over_the_column(values, data):
+    """Short text (not views) without nulls is not gathered when taken: the rows become the
+    keys of a dictionary over the column as read, cut, joined and packed like the values; with
+    a null, Arrow gathers the values."""
+    import pyarrow as pa
+
+    from nnh_data.batching import as_list
+    from nnh_data.packed import PackedField
+
+    n = len(values)
+    idx = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=2 * n)), dtype=np.int64)
+    read = pa.array(values, pa.string())
+    taken = take({"t": read}, idx)["t"]
+    expected = [values[i] for i in idx]
+    assert pa.types.is_dictionary(taken.type) and taken.dictionary.equals(read)
+    a = data.draw(st.integers(0, len(idx)))
+    joined = concat([cut({"t": taken}, a, len(idx)), {"t": read}])["t"]
+    assert as_list(joined) == expected[a:] + values
+    for column in (taken, cut({"t": taken}, a, len(idx))["t"], joined):
+        packed = PackedField.from_arrow(column)
+        assert PackedField(packed.data, packed.offsets, "str", None) == as_list(column)
+    with_null = take({"t": pa.array([*values, None], pa.string())}, np.append(idx, n))["t"]
+    assert with_null.type == pa.string() and as_list(with_null) == [*expected, None]
+
+
 def test_a_constant_text_column_is_arrow_and_reads_like_its_list():
     """A shard's URL labels every row of a batch as a one-value Arrow dictionary: taken, cut,
     joined and packed, it gives the values of the list it replaces; other values are lists."""
