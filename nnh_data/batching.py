@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from nnh_data.packed import arrow_kind, arrow_values, as_views, is_view
+from nnh_data.packed import arrow_values, as_views, is_view
 
 Column = list | np.ndarray | pa.Array | pa.ChunkedArray | dict
 ARROW = (pa.Array, pa.ChunkedArray)
@@ -122,29 +123,31 @@ def constant(value: Any, rows: int) -> Column:
 
 def take(columns: Columns, indices: np.ndarray) -> Columns:
     """Rows ``indices`` (integers) of every column, in that order."""
-    positions = None
+    positions = arrow_indices = None
     out: Columns = {}
     for name, col in columns.items():
         if isinstance(col, dict):
             out[name] = take(col, indices)
         elif isinstance(col, np.ndarray):
             out[name] = col[indices]
-        elif isinstance(col, ARROW):
-            out[name] = _arrow_rows(col, indices)
+        elif isinstance(col, ARROW):  # the indices made an Arrow array once, for every column
+            arrow_indices = pa.array(indices) if arrow_indices is None else arrow_indices
+            out[name] = _arrow_rows(col, indices, arrow_indices)
         else:
             positions = indices.tolist() if positions is None else positions
             out[name] = list(map(col.__getitem__, positions))
     return out
 
 
-def _arrow_rows(column: pa.Array | pa.ChunkedArray, indices: np.ndarray) -> pa.Array:
-    """Rows ``indices`` of an Arrow column. Of views (long bytes and text read from Parquet,
-    :func:`~nnh_data.packed.as_views`), the 16-byte views are gathered, not the values; other
-    bytes and text without nulls (short values) become a dictionary array over the column,
-    ``indices`` its keys: either way the bytes of a shuffled batch are copied once, when it is
-    packed (:class:`~nnh_data.packed.PackedField`), not also here (Arrow's take of short text
-    costs 4-5x a dictionary's making). A dictionary array's keys are taken; other types are
-    taken by Arrow."""
+def _arrow_rows(
+    column: pa.Array | pa.ChunkedArray, indices: np.ndarray, arrow_indices: pa.Array
+) -> pa.Array:
+    """Rows ``indices`` (``arrow_indices`` as an Arrow array) of an Arrow column. Of views (long
+    bytes and text read from Parquet, :func:`~nnh_data.packed.as_views`), the 16-byte views are
+    gathered, not the values, so the bytes of a shuffled batch are copied once, when it is
+    packed (:class:`~nnh_data.packed.PackedField`). A dictionary array's keys are taken; other
+    types are taken by Arrow's kernel, called directly (``Array.take`` of numpy indices costs
+    about twice as much for a window of short text)."""
     column = one_array(column)
     kind = column.type
     if pa.types.is_dictionary(kind):  # its keys taken (by numpy unless one is null)
@@ -153,9 +156,7 @@ def _arrow_rows(column: pa.Array | pa.ChunkedArray, indices: np.ndarray) -> pa.A
         return pa.DictionaryArray.from_arrays(taken, column.dictionary, safe=False)
     if is_view(kind):  # Arrow has no take for views
         return _view_rows(column, indices)
-    if arrow_kind(kind) is not None and not column.null_count:
-        return pa.DictionaryArray.from_arrays(indices, column)
-    return column.take(indices)
+    return pc.call_function("take", [column, arrow_indices])
 
 
 _VIEW = np.dtype((np.void, 16))  # one value of a binary_view or string_view array

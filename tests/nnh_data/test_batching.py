@@ -5,6 +5,7 @@ from __future__ import annotations
 from itertools import repeat
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -120,30 +121,27 @@ def test_views_taken_give_the_values_of_lists(values, data):
     assert PackedField(packed.data, packed.offsets, packed.kind, packed.valid) == as_list(taken)
 
 
-@given(st.lists(st.text(max_size=6), min_size=1, max_size=12), st.data())
-def test_short_text_without_nulls_is_taken_as_a_dictionary_over_the_column(values, data):
-    """Short text (not views) without nulls is not gathered when taken: the rows become the
-    keys of a dictionary over the column as read, cut, joined and packed like the values; with
-    a null, Arrow gathers the values."""
+@given(st.lists(st.one_of(st.none(), st.integers(0, 9)), min_size=1, max_size=12), st.data())
+def test_every_kind_of_arrow_column_taken_together_gives_the_values_of_lists(values, data):
+    """One take of columns of every Arrow kind (short text, nullable numbers, views, a
+    dictionary, beside numpy and nested columns) gives each column's values at the indices."""
     import pyarrow as pa
 
-    from nnh_data.batching import as_list
-    from nnh_data.packed import PackedField
+    from nnh_data.batching import as_list, constant
+    from nnh_data.packed import as_views
 
     n = len(values)
+    text = [None if v is None else f"t{v}" for v in values]
+    columns = {"t": pa.array(text), "i": pa.array(values, pa.int64()),
+               "v": as_views(pa.array([None if v is None else bytes(v) * 20 for v in values])),
+               "d": constant("a.parquet", n), "n": np.arange(n), "aug": {"x": np.arange(n) * 2}}
     idx = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=2 * n)), dtype=np.int64)
-    read = pa.array(values, pa.string())
-    taken = take({"t": read}, idx)["t"]
-    expected = [values[i] for i in idx]
-    assert pa.types.is_dictionary(taken.type) and taken.dictionary.equals(read)
-    a = data.draw(st.integers(0, len(idx)))
-    joined = concat([cut({"t": taken}, a, len(idx)), {"t": read}])["t"]
-    assert as_list(joined) == expected[a:] + values
-    for column in (taken, cut({"t": taken}, a, len(idx))["t"], joined):
-        packed = PackedField.from_arrow(column)
-        assert PackedField(packed.data, packed.offsets, "str", None) == as_list(column)
-    with_null = take({"t": pa.array([*values, None], pa.string())}, np.append(idx, n))["t"]
-    assert with_null.type == pa.string() and as_list(with_null) == [*expected, None]
+    taken = take(columns, idx)
+    for name in ("t", "i", "v", "d"):
+        assert as_list(taken[name]) == [as_list(columns[name])[i] for i in idx]
+    assert taken["n"].tolist() == idx.tolist() and taken["aug"]["x"].tolist() == (idx * 2).tolist()
+    with pytest.raises(IndexError):
+        take({"t": pa.array(text)}, np.array([n]))
 
 
 def test_a_constant_text_column_is_arrow_and_reads_like_its_list():
