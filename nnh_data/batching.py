@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from nnh_data.packed import arrow_values, as_views, is_view
 
@@ -128,35 +129,40 @@ def _one_value(text: str) -> pa.Array:
 
 def take(columns: Columns, indices: np.ndarray) -> Columns:
     """Rows ``indices`` (integers) of every column, in that order."""
-    positions = None
+    positions = arrow_indices = None
     out: Columns = {}
     for name, col in columns.items():
         if isinstance(col, dict):
             out[name] = take(col, indices)
         elif isinstance(col, np.ndarray):
             out[name] = col[indices]
-        elif isinstance(col, ARROW):
-            out[name] = _arrow_rows(col, indices)
+        elif isinstance(col, ARROW):  # the indices made an Arrow array once, for every column
+            arrow_indices = pa.array(indices) if arrow_indices is None else arrow_indices
+            out[name] = _arrow_rows(col, indices, arrow_indices)
         else:
             positions = indices.tolist() if positions is None else positions
             out[name] = list(map(col.__getitem__, positions))
     return out
 
 
-def _arrow_rows(column: pa.Array | pa.ChunkedArray, indices: np.ndarray) -> pa.Array:
-    """Rows ``indices`` of an Arrow column. Of views (long bytes and text read from Parquet,
-    :func:`~nnh_data.packed.as_views`), the 16-byte views are gathered, not the values, so the
-    bytes of a shuffled batch are copied once, when it is packed
-    (:class:`~nnh_data.packed.PackedField`). A dictionary array's keys are taken; other types
-    are taken by Arrow."""
+def _arrow_rows(
+    column: pa.Array | pa.ChunkedArray, indices: np.ndarray, arrow_indices: pa.Array
+) -> pa.Array:
+    """Rows ``indices`` (``arrow_indices`` as an Arrow array) of an Arrow column. Of views (long
+    bytes and text read from Parquet, :func:`~nnh_data.packed.as_views`), the 16-byte views are
+    gathered, not the values, so the bytes of a shuffled batch are copied once, when it is
+    packed (:class:`~nnh_data.packed.PackedField`). A dictionary array's keys are taken; other
+    types are taken by Arrow's kernel, called directly (``Array.take`` of numpy indices costs
+    about twice as much for a window of short text)."""
     column = one_array(column)
-    if pa.types.is_dictionary(column.type):  # its keys taken (by numpy unless one is null)
+    kind = column.type
+    if pa.types.is_dictionary(kind):  # its keys taken (by numpy unless one is null)
         keys = column.indices
         taken = keys.take(indices) if keys.null_count else keys.to_numpy()[indices]
         return pa.DictionaryArray.from_arrays(taken, column.dictionary, safe=False)
-    if is_view(column.type):  # Arrow has no take for views
+    if is_view(kind):  # Arrow has no take for views
         return _view_rows(column, indices)
-    return column.take(indices)
+    return pc.call_function("take", [column, arrow_indices])
 
 
 _VIEW = np.dtype((np.void, 16))  # one value of a binary_view or string_view array

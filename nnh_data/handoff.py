@@ -211,10 +211,10 @@ def tensor_columns(columns: dict[str, Any]) -> dict[str, Any]:
 def _tensors(columns: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for name, column in columns.items():
-        if isinstance(column, dict):
-            out[name] = _tensors(column)
-        elif isinstance(column, np.ndarray):
+        if isinstance(column, np.ndarray):  # most columns (labels, parameters)
             out[name] = _tensor(column)
+        elif isinstance(column, dict):
+            out[name] = _tensors(column)
         elif (packed := _packed_arrow(column)) is not None:
             out[name] = packed
         else:

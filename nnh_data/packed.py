@@ -313,10 +313,13 @@ def as_views(array: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
 
 def _has_nulls(array: pa.Array | pa.ChunkedArray) -> bool:
     """Whether ``array`` holds a null (in a dictionary array: a null key or a null value)."""
-    if array.null_count or not pa.types.is_dictionary(array.type):
-        return bool(array.null_count)
-    chunks = array.chunks if isinstance(array, pa.ChunkedArray) else [array]
-    return any(chunk.dictionary.null_count for chunk in chunks)
+    if array.null_count:
+        return True
+    if not pa.types.is_dictionary(array.type):
+        return False
+    if isinstance(array, pa.Array):  # a batch's rows of a column taken as a dictionary
+        return bool(array.dictionary.null_count)
+    return any(chunk.dictionary.null_count for chunk in array.chunks)
 
 
 def _arrow_packed(array: pa.Array | pa.ChunkedArray) -> tuple[torch.Tensor, torch.Tensor]:

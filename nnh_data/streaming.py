@@ -173,17 +173,18 @@ class ShardedStreamingDataset(IterableDataset):
         self.storage_options = storage_options
         self.cache = _cache_of(cache_dir, cache_limit)
         self.cache_prefetch = check_int("cache_prefetch", cache_prefetch, low=0)
-        # Shared with DataLoader workers (fork and spawn pass shared-memory tensors by handle):
-        # the epoch, a flag set while workers iterate, and the samples skipped per shard.
-        self._shared = torch.zeros(2 + len(self.index.shards), dtype=torch.int64).share_memory_()
-        self._shared[0] = epoch
+        # Shared with DataLoader workers (fork and spawn pass shared-memory tensors by handle),
+        # in one segment (each costs a shared-memory file): the epoch, a flag set while workers
+        # iterate, the epoch of the last pass started and whether a repeat was warned about
+        # (``_passes``), and the samples skipped per shard.
+        self._shared = torch.zeros(4 + len(self.index.shards), dtype=torch.int64).share_memory_()
+        self._shared[0], self._shared[2] = epoch, -1
+        self._passes = self._shared[2:4]
         urls = [info.url for info in self.index.shards]
         lost = [None if info.error is None else info.lost for info in self.index.shards]
-        self._errors = ErrorPolicy(on_error, urls, self._shared[2:], lost)
+        self._errors = ErrorPolicy(on_error, urls, self._shared[4:], lost)
         self.data_stats = DataStats()  # what every process reading this dataset counts
         self._skipped_before = sum(self.error_counts.values())
-        # The epoch of the last pass started and whether a repeat was warned about (shared).
-        self._passes = torch.tensor([-1, 0], dtype=torch.int64).share_memory_()
         self._readers = _source_readers(
             self.sources, indexes, self._counts, seed=self.seed, window=self.window,
             mixed=self._mixed, errors=self._errors, storage_options=storage_options,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from itertools import repeat
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -118,6 +119,29 @@ def test_views_taken_give_the_values_of_lists(values, data):
     assert taken.null_count == sum(v is None for v in take(plain, idx)["b"])
     packed = PackedField.from_arrow(taken)
     assert PackedField(packed.data, packed.offsets, packed.kind, packed.valid) == as_list(taken)
+
+
+@given(st.lists(st.one_of(st.none(), st.integers(0, 9)), min_size=1, max_size=12), st.data())
+def test_every_kind_of_arrow_column_taken_together_gives_the_values_of_lists(values, data):
+    """One take of columns of every Arrow kind (short text, nullable numbers, views, a
+    dictionary, beside numpy and nested columns) gives each column's values at the indices."""
+    import pyarrow as pa
+
+    from nnh_data.batching import as_list, constant
+    from nnh_data.packed import as_views
+
+    n = len(values)
+    text = [None if v is None else f"t{v}" for v in values]
+    columns = {"t": pa.array(text), "i": pa.array(values, pa.int64()),
+               "v": as_views(pa.array([None if v is None else bytes(v) * 20 for v in values])),
+               "d": constant("a.parquet", n), "n": np.arange(n), "aug": {"x": np.arange(n) * 2}}
+    idx = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=2 * n)), dtype=np.int64)
+    taken = take(columns, idx)
+    for name in ("t", "i", "v", "d"):
+        assert as_list(taken[name]) == [as_list(columns[name])[i] for i in idx]
+    assert taken["n"].tolist() == idx.tolist() and taken["aug"]["x"].tolist() == (idx * 2).tolist()
+    with pytest.raises(IndexError):
+        take({"t": pa.array(text)}, np.array([n]))
 
 
 def test_a_constant_text_column_is_arrow_and_reads_like_its_list():
