@@ -339,42 +339,31 @@ def deferred(rows: Rows) -> Rows:
     return rows if rows.interleave else replace(rows, take=_Taken)
 
 
-# rows ``[a, b)`` of a part, and the iterators over its columns (rows taken in order) or None
-_Span = tuple[Part, int, int, Any]
+_Span = tuple[Part, int, int]  # rows ``[a, b)`` of a part
 
 
 class _PartCursor:
-    """The rows of a stream of parts, taken ``n`` at a time as spans ``(part, a, b, values)``
-    (rows ``[a, b)`` of ``part``): nothing is cut or copied. With ``values``, each part's
-    columns are read by iterators, which the spans share: their rows are to be read in order."""
+    """The rows of a stream of parts, taken ``n`` at a time as spans ``(part, a, b)`` (rows
+    ``[a, b)`` of ``part``): nothing is cut or copied."""
 
-    def __init__(self, parts: Iterator[Part], values: bool) -> None:
-        self._parts, self._values = parts, values
+    def __init__(self, parts: Iterator[Part]) -> None:
+        self._parts = parts
         self._part: Part | None = None
         self._at = 0
-        self._iters: Any = None
 
     def take(self, n: int) -> list[_Span]:
         spans = []
         while n:
             if self._part is None:
                 self._part, self._at = next(self._parts), 0
-                self._iters = _column_iterators(self._part.rows) if self._values else None
             part, a = self._part, self._at
             b = self._at = min(part.keys.size, a + n)
             if b > a:
-                spans.append((part, a, b, self._iters))
+                spans.append((part, a, b))
                 n -= b - a
             if b == part.keys.size:  # let go of a part taken whole
-                self._part = self._iters = None
+                self._part = None
         return spans
-
-
-def _column_iterators(columns: Columns) -> dict[str, Any]:
-    """Columns as read row by row: lists and tuples by an iterator; numpy and nested columns
-    as they are (cut by position)."""
-    return {name: col if isinstance(col, (np.ndarray, dict)) else iter(batching.as_list(col))
-            for name, col in columns.items()}  # fmt: skip
 
 
 def mix(streams: list[Iterator[Part]], chunks: Iterable[np.ndarray], rows: Rows) -> Iterator[Part]:
@@ -390,7 +379,7 @@ def mix(streams: list[Iterator[Part]], chunks: Iterable[np.ndarray], rows: Rows)
         >>> [p.rows["x"] for p in mix([a, b], [np.array([0, 1, 0]), np.array([1, 0])], COLUMNS)]
         [[1, 10, 2], [20, 3]]
     """
-    cursors = [_PartCursor(iter(s), rows.interleave) for s in streams]
+    cursors = [_PartCursor(iter(s)) for s in streams]
     build = _interleaved_part if rows.interleave else _mixed_part
     for sources in chunks:
         yield build(cursors, sources, rows)
@@ -405,7 +394,7 @@ def _spans(cursors: list[_PartCursor], sources: np.ndarray) -> list[list[_Span]]
 def _mixed_part(cursors: list[_PartCursor], sources: np.ndarray, rows: Rows) -> Part:
     """The rows ``sources`` draws, in its order: their blocks joined, then one take."""
     blocks, picks, labels, keys, offset = [], [], [], [], 0
-    for part, a, b, _ in chain.from_iterable(_spans(cursors, sources)):
+    for part, a, b in chain.from_iterable(_spans(cursors, sources)):
         taken = part.rows
         block, at = (taken.rows, taken.indices[a:b]) if isinstance(taken, _Taken) \
             else (taken, np.arange(a, b))  # fmt: skip
@@ -450,7 +439,7 @@ def _interleaved_part(cursors: list[_PartCursor], sources: np.ndarray, rows: Row
         for span in by_source[s]))  # fmt: skip
     for name in (SKIPPED, _ABSENT_ROWS):
         names.pop(name, None)
-    keys = np.concatenate([part.keys[a:b] for part, a, b, _ in chain.from_iterable(slices)])
+    keys = np.concatenate([part.keys[a:b] for part, a, b in chain.from_iterable(slices)])
     return Part(_Interleaved(slices, local, list(names)), {}, keys)
 
 
@@ -551,8 +540,8 @@ def _span_samples(
 ) -> tuple[list, list[tuple[int, dict]]]:
     """The samples of ``span`` (fields ``names``, then its labels and ``params`` as
     ``__aug__``), ``None`` where unreadable, and the place and label of each unreadable one."""
-    part, a, b, values = span
-    labels = part.labels
+    part, a, b = span
+    values, labels = part.rows, part.labels
     absent = [name for name in names if name not in values]
     columns = {name: repeat(_ABSENT) if name in absent else _slice(values[name], a, b)
                for name in names}  # fmt: skip
@@ -560,7 +549,7 @@ def _span_samples(
     columns.update({"__index__": cut["__index__"], "__pad__": cut["__pad__"], "__aug__": params,
                     **cut})  # fmt: skip
     samples = batching.rows_of(list(columns), list(columns.values()))
-    flags, lacking = (list(_slice(values[k], a, b)) if k in values else []
+    flags, lacking = (_slice(values[k], a, b) if k in values else ()
                       for k in (SKIPPED, _ABSENT_ROWS))  # fmt: skip
     missing = _finished(samples, repeat(True) if absent else lacking, flags)
     told = ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
