@@ -12,7 +12,8 @@ plan -> read -> assemble [-> mix] -> parameters -> count, each a plain function 
 - assemble (:func:`assemble`): per window, the rows of the concat range it covers taken in
   epoch order, as a :class:`Part` with its labels (``__index__``, ``__pad__``).
 - mix (:func:`mix`, several sources only): rows of the sources' part streams interleaved in
-  the order of the mixed epoch.
+  the order of the mixed epoch (in a per-sample pass, as samples: each source's built from its
+  own parts, then put in that order at hand-out).
 - parameters (:func:`with_parameters`): each part's augmentation parameters, as columns, in
   one call per part.
 - count (:func:`hand_out_samples`, :func:`hand_out_rows`, :func:`hand_out_batches`): items
@@ -424,9 +425,10 @@ class _Interleaved:
 
 
 def _interleaved_part(cursors: list[_PartCursor], sources: np.ndarray, rows: Rows) -> Part:
-    """The rows ``sources`` draws as an :class:`_Interleaved` part: a sample is then one
-    reference to interleave, where a row is one per column (the rows of a mixed part outlive
-    several collections of the cyclic collector, which walks every list of them it meets)."""
+    """The rows ``sources`` draws as an :class:`_Interleaved` part: nothing is joined or
+    gathered; at hand-out each source's samples are built from its own parts, as one source's
+    are, and put in the mixed order by reference (one per sample, where a gather of rows is
+    one per column, and each gathered column is freed, and walked by the cyclic collector)."""
     per_slice = [_spans(cursors, sources[a : a + _GROUP]) for a in range(0, sources.size, _GROUP)]
     slices = [list(chain.from_iterable(by_source)) for by_source in per_slice]
     group = np.arange(sources.size) // _GROUP
