@@ -509,7 +509,7 @@ def _sample_slices(part: Part) -> Iterator[tuple[list, list[dict]]]:
     values = [c if isinstance(c, (np.ndarray, dict)) else batching.as_list(c) if whole else
               iter(batching.as_list(c)) for c in columns.values()]  # fmt: skip
     flags, lacking = (() if f is None else iter(f) for f in (flags, lacking))
-    told = ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
+    told = _told(labels)
     for start in range(0, part.keys.size, _GROUP):
         stop = min(start + _GROUP, part.keys.size)
         samples = batching.rows_of(names, [_slice(v, start, stop) for v in values])
@@ -554,8 +554,14 @@ def _span_samples(
     flags, lacking = (_slice(values[k], a, b) if k in values else ()
                       for k in (SKIPPED, _ABSENT_ROWS))  # fmt: skip
     missing = _finished(samples, repeat(True) if absent else lacking, flags)
-    told = ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
+    told = _told(labels)
     return samples, [(i, {k: _item(labels[k][a + i]) for k in told}) for i in missing]
+
+
+def _told(labels: Columns) -> list[str]:
+    """The labels ``skipped`` is told of an unreadable sample: its id, and its source when
+    mixing."""
+    return ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
 
 
 def _finished(samples: list, lacking: Iterable, flags: Iterable) -> list[int]:
