@@ -12,7 +12,8 @@ plan -> read -> assemble [-> mix] -> parameters -> count, each a plain function 
 - assemble (:func:`assemble`): per window, the rows of the concat range it covers taken in
   epoch order, as a :class:`Part` with its labels (``__index__``, ``__pad__``).
 - mix (:func:`mix`, several sources only): rows of the sources' part streams interleaved in
-  the order of the mixed epoch.
+  the order of the mixed epoch (in a per-sample pass, as samples: each source's built from its
+  own parts, then put in that order at hand-out).
 - parameters (:func:`with_parameters`): each part's augmentation parameters, as columns, in
   one call per part.
 - count (:func:`hand_out_samples`, :func:`hand_out_rows`, :func:`hand_out_batches`): items
@@ -129,6 +130,7 @@ class Rows:
     label: Callable[[Any, str, Any], Any]  # set a constant field in every (readable) row
     from_samples: Callable[[list], Any]  # from a list of sample dicts (None: unreadable)
     arrow: bool = False  # Parquet columns kept as Arrow arrays, not lists of Python values
+    interleave: bool = False  # mixed at hand-out: samples built per source, then interleaved
 
 
 COLUMNS = Rows(
@@ -160,7 +162,8 @@ def _taken_values(columns: Columns, indices: np.ndarray) -> Columns:
 # block's values while it is in cache, then gathering references, beats a dict per row read
 # and held in a window (fewer objects for the cyclic collector to walk, too).
 VALUE_COLUMNS = replace(COLUMNS, join=_joined_values, take=_taken_values, label=_label_columns,
-                        from_samples=_value_columns_of_samples, arrow=False)  # fmt: skip
+                        from_samples=_value_columns_of_samples, arrow=False,
+                        interleave=True)  # fmt: skip
 
 
 @dataclass
@@ -331,8 +334,13 @@ class _Taken:
 
 def deferred(rows: Rows) -> Rows:
     """``rows`` whose take is left to :func:`mix`: the rows of the sources it mixes are then
-    gathered once, from the blocks as read, not into each source's order first."""
-    return replace(rows, take=_Taken)
+    gathered once, from the blocks as read, not into each source's order first. Rows mixed
+    at hand-out (``interleave``) are taken as one source's are: each source's samples are
+    built from them in its own order."""
+    return rows if rows.interleave else replace(rows, take=_Taken)
+
+
+_Span = tuple[Part, int, int]  # rows ``[a, b)`` of a part
 
 
 class _PartCursor:
@@ -344,7 +352,7 @@ class _PartCursor:
         self._part: Part | None = None
         self._at = 0
 
-    def take(self, n: int) -> list[tuple[Part, int, int]]:
+    def take(self, n: int) -> list[_Span]:
         spans = []
         while n:
             if self._part is None:
@@ -362,7 +370,9 @@ class _PartCursor:
 def mix(streams: list[Iterator[Part]], chunks: Iterable[np.ndarray], rows: Rows) -> Iterator[Part]:
     """Parts whose rows come from several part ``streams``: each of ``chunks`` gives the
     stream of every row of one part, in order (each stream is read in its own order). The
-    streams' rows may be :func:`deferred`: each row is then gathered once, here.
+    streams' rows may be :func:`deferred`: each row is then gathered once, here. Rows that
+    ``interleave`` are left in the streams' parts, and interleaved as samples at hand-out
+    (:func:`hand_out_samples`).
 
     Example:
         >>> a = iter([Part({"x": [1, 2, 3]}, {"__index__": np.arange(3)}, np.arange(3))])
@@ -371,19 +381,21 @@ def mix(streams: list[Iterator[Part]], chunks: Iterable[np.ndarray], rows: Rows)
         [[1, 10, 2], [20, 3]]
     """
     cursors = [_PartCursor(iter(s)) for s in streams]
+    build = _interleaved_part if rows.interleave else _mixed_part
     for sources in chunks:
-        counts = np.bincount(sources)  # np.unique: ~25x the time on a chunk (numpy 2.4)
-        spans = [span for s in np.flatnonzero(counts) for span in cursors[s].take(int(counts[s]))]
-        part = _mixed_part(spans, sources, rows)
-        del spans  # they hold their parts' blocks: let go of them while the part is handed out
-        yield part
+        yield build(cursors, sources, rows)
 
 
-def _mixed_part(spans: list[tuple[Part, int, int]], sources: np.ndarray, rows: Rows) -> Part:
-    """The rows of ``spans`` (by source, each source's in draw order) in the order of
-    ``sources``: their blocks joined, then one take."""
+def _spans(cursors: list[_PartCursor], sources: np.ndarray) -> list[list[_Span]]:
+    """Per source, the spans of the rows that ``sources`` draws (in draw order)."""
+    counts = np.bincount(sources, minlength=len(cursors)).tolist()  # np.unique: ~25x the time
+    return [cursor.take(n) if n else [] for cursor, n in zip(cursors, counts)]
+
+
+def _mixed_part(cursors: list[_PartCursor], sources: np.ndarray, rows: Rows) -> Part:
+    """The rows ``sources`` draws, in its order: their blocks joined, then one take."""
     blocks, picks, labels, keys, offset = [], [], [], [], 0
-    for part, a, b in spans:
+    for part, a, b in chain.from_iterable(_spans(cursors, sources)):
         taken = part.rows
         block, at = (taken.rows, taken.indices[a:b]) if isinstance(taken, _Taken) \
             else (taken, np.arange(a, b))  # fmt: skip
@@ -397,6 +409,40 @@ def _mixed_part(spans: list[tuple[Part, int, int]], sources: np.ndarray, rows: R
     joined = blocks[0] if len(blocks) == 1 else rows.join(blocks)
     taken = rows.take(joined, np.concatenate(picks)[where])
     return Part(taken, batching.take(batching.concat(labels), where), np.concatenate(keys)[where])
+
+
+@dataclass(frozen=True)
+class _Interleaved:
+    """A mixed part's rows left in the sources' parts, for a per-sample pass: per slice of at
+    most ``_GROUP`` hand-out rows, the spans that hold them, by source (each in draw order);
+    ``local[i]``: the place of hand-out row ``i`` among its slice's span rows; ``names``: the
+    fields, in the order samples hold them. The part's keys are in span order; its labels are
+    its spans' parts'."""
+
+    slices: list[list[_Span]]
+    local: np.ndarray
+    names: list[str]
+
+
+def _interleaved_part(cursors: list[_PartCursor], sources: np.ndarray, rows: Rows) -> Part:
+    """The rows ``sources`` draws as an :class:`_Interleaved` part: nothing is joined or
+    gathered; at hand-out each source's samples are built from its own parts, as one source's
+    are, and put in the mixed order by reference (one per sample, where a gather of rows is
+    one per column, and each gathered column is freed, and walked by the cyclic collector)."""
+    per_slice = [_spans(cursors, sources[a : a + _GROUP]) for a in range(0, sources.size, _GROUP)]
+    slices = [list(chain.from_iterable(by_source)) for by_source in per_slice]
+    group = np.arange(sources.size) // _GROUP
+    local = np.empty(sources.size, dtype=np.int64)
+    local[np.argsort(group * len(cursors) + sources, kind="stable")] = np.arange(sources.size)
+    local -= group * _GROUP
+    # the fields in the order of their first source, as a join of the sources' rows has them
+    names = dict.fromkeys(chain.from_iterable(
+        span[0].rows for s in range(len(cursors)) for by_source in per_slice
+        for span in by_source[s]))  # fmt: skip
+    for name in (SKIPPED, _ABSENT_ROWS):
+        names.pop(name, None)
+    keys = np.concatenate([part.keys[a:b] for part, a, b in chain.from_iterable(slices)])
+    return Part(_Interleaved(slices, local, list(names)), {}, keys)
 
 
 # ---------------------------------------------------------------- parameters
@@ -451,6 +497,9 @@ def _sample_slices(part: Part) -> Iterator[tuple[list, list[dict]]]:
     of at most ``_GROUP`` rows (a window's), each column read in place or converted by slice,
     so that few dicts and values are alive at once (less for the cyclic collector to walk, a
     mixed part being several windows) and each slice's values are in cache when it is built."""
+    if isinstance(part.rows, _Interleaved):
+        yield from _interleaved_slices(part)
+        return
     columns = dict(part.rows)
     flags, lacking = columns.pop(SKIPPED, None), columns.pop(_ABSENT_ROWS, None)
     labels = part.labels
@@ -459,29 +508,84 @@ def _sample_slices(part: Part) -> Iterator[tuple[list, list[dict]]]:
     names, whole = list(columns), part.keys.size <= _GROUP  # whole: one slice, no iterators
     values = [c if isinstance(c, (np.ndarray, dict)) else batching.as_list(c) if whole else
               iter(batching.as_list(c)) for c in columns.values()]  # fmt: skip
-    flags, lacking = (None if f is None else iter(f) for f in (flags, lacking))
-    told = ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
+    flags, lacking = (() if f is None else iter(f) for f in (flags, lacking))
+    told = _told(labels)
     for start in range(0, part.keys.size, _GROUP):
         stop = min(start + _GROUP, part.keys.size)
         samples = batching.rows_of(names, [_slice(v, start, stop) for v in values])
         n = stop - start
-        for i in [] if lacking is None else compress(range(n), islice(lacking, n)):
-            samples[i] = {k: v for k, v in samples[i].items() if v is not _ABSENT}
-        missing = [] if flags is None else list(compress(range(n), islice(flags, n)))
-        for i in missing:
-            samples[i] = None
+        missing = _finished(samples, islice(lacking, n), islice(flags, n))
         yield samples, [{k: _item(labels[k][start + i]) for k in told} for i in missing]
+
+
+def _interleaved_slices(part: Part) -> Iterator[tuple[list, list[dict]]]:
+    """:func:`_sample_slices` of an :class:`_Interleaved` part: per slice, each span's samples
+    built from its part's columns (each source's in its own order, as one source's are), then
+    put in hand-out order."""
+    rows, at = part.rows, 0
+    for start, spans in zip(range(0, part.keys.size, _GROUP), rows.slices):
+        built: list = []
+        told: dict[int, dict] = {}
+        for span in spans:
+            n = span[2] - span[1]
+            samples, missing = _span_samples(rows.names, span, _slice(part.params, at, at + n))
+            told.update((len(built) + i, label) for i, label in missing)
+            built += samples
+            at += n
+        local = rows.local[start : start + len(built)].tolist()
+        in_order = [told[j] for j in local if j in told] if told else []
+        yield list(map(built.__getitem__, local)), in_order
+
+
+def _span_samples(
+    names: list[str], span: _Span, params: list[dict]
+) -> tuple[list, list[tuple[int, dict]]]:
+    """The samples of ``span`` (fields ``names``, then its labels and ``params`` as
+    ``__aug__``), ``None`` where unreadable, and the place and label of each unreadable one."""
+    part, a, b = span
+    values, labels = part.rows, part.labels
+    absent = [name for name in names if name not in values]
+    columns = {name: repeat(_ABSENT) if name in absent else _slice(values[name], a, b)
+               for name in names}  # fmt: skip
+    cut = {k: _slice(v, a, b) for k, v in labels.items()}
+    columns.update({"__index__": cut["__index__"], "__pad__": cut["__pad__"], "__aug__": params,
+                    **cut})  # fmt: skip
+    samples = batching.rows_of(list(columns), list(columns.values()))
+    flags, lacking = (_slice(values[k], a, b) if k in values else ()
+                      for k in (SKIPPED, _ABSENT_ROWS))  # fmt: skip
+    missing = _finished(samples, repeat(True) if absent else lacking, flags)
+    told = _told(labels)
+    return samples, [(i, {k: _item(labels[k][a + i]) for k in told}) for i in missing]
+
+
+def _told(labels: Columns) -> list[str]:
+    """The labels ``skipped`` is told of an unreadable sample: its id, and its source when
+    mixing."""
+    return ["__index__", "__source__"] if "__source__" in labels else ["__index__"]
+
+
+def _finished(samples: list, lacking: Iterable, flags: Iterable) -> list[int]:
+    """``samples`` without the fields absent from the rows ``lacking`` flags, ``None`` at the
+    rows ``flags`` flags (unreadable): the positions of those."""
+    for i in compress(range(len(samples)), lacking):
+        samples[i] = {k: v for k, v in samples[i].items() if v is not _ABSENT}
+    missing = list(compress(range(len(samples)), flags))
+    for i in missing:
+        samples[i] = None
+    return missing
 
 
 def _slice(values: Any, start: int, stop: int) -> Iterable:
     """Rows ``[start, stop)`` of a column as Python values: of a numpy column (a label), of
-    parameters (one dict per row: ``__aug__``), the next of an iterator over the rows, or a
-    whole column (a part of one slice)."""
+    parameters (one dict per row: ``__aug__``), the next of an iterator over the rows, or of
+    a list or tuple (itself when whole)."""
     if isinstance(values, np.ndarray):
         return values[start:stop].tolist()
     if isinstance(values, dict):
         return batching.rows_of(list(values), [c[start:stop].tolist() for c in values.values()])
-    return islice(values, stop - start) if isinstance(values, Iterator) else values
+    if isinstance(values, Iterator):
+        return islice(values, stop - start)
+    return values if start == 0 and stop == len(values) else values[start:stop]
 
 
 def _item(value: Any) -> Any:

@@ -137,13 +137,23 @@ def test_columns_flag_unreadable_rows():
     assert values["b"][0] == 2 and values["b"][1] is not None  # absent, not None: left out
 
 
+def source_sample(source: int, g: int) -> dict | None:
+    """Sample ``g`` of ``source``: source 1's every third unreadable and every other holding
+    a field ``h`` more; source 2's holding ``h`` before ``g``."""
+    if source == 1 and g % 3 == 0:
+        return None
+    if source == 2:
+        return {"h": -g, "g": g}
+    return {"g": g, "h": -g} if source == 1 and g % 2 else {"g": g}
+
+
 def source_parts(source: int, sizes: list[int], rows: stages.Rows) -> list[stages.Part]:
-    """Parts of ``sizes`` rows of samples ``{"g": 100 * source + i}``, each assembled as a
-    shuffled window is: rows taken from a block in a permuted order (deferred by ``rows`` or
-    not)."""
+    """Parts of ``sizes`` rows of samples ``source_sample(source, 100 * source + i)``, each
+    assembled as a shuffled window is: rows taken from a block in a permuted order (deferred
+    by ``rows`` or not)."""
     parts, rng, first = [], np.random.default_rng(source), 100 * source
     for size in sizes:
-        block = stages.COLUMNS.from_samples([{"g": first + i} for i in range(size + 2)])
+        block = rows.from_samples([source_sample(source, first + i) for i in range(size + 2)])
         at = rng.permutation(size + 2)[:size]  # a window read in part
         ids = first + at
         labels = {"__index__": ids, "__pad__": np.zeros(size, bool), "__source__": [source] * size}
@@ -152,32 +162,64 @@ def source_parts(source: int, sizes: list[int], rows: stages.Rows) -> list[stage
     return parts
 
 
-@pytest.mark.parametrize(
-    "sizes, sources",
-    [
-        ([[4, 3, 5], [2, 2], [1]], [0, 1, 0, 0, 2, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0]),  # one-row source
-        ([[6], [3, 1]], [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]),  # a source exhausted first
-        ([[5], [0, 2]], [0, 0, 0, 0, 0, 1, 1]),  # an empty part; one source per chunk
-    ],
-)
+MIXES = [
+    ([[4, 3, 5], [2, 2], [1]], [0, 1, 0, 0, 2, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0]),  # one-row source
+    ([[6], [3, 1]], [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]),  # a source exhausted first
+    ([[5], [0, 2]], [0, 0, 0, 0, 0, 1, 1]),  # an empty part; one source per chunk
+]
+
+
+def mixed_parts(sizes, sources, chunk, rows, out) -> list[stages.Part]:
+    streams = [iter(source_parts(s, n, rows)) for s, n in enumerate(sizes)]
+    chunks = [np.array(sources[a : a + chunk]) for a in range(0, len(sources), chunk)]
+    return list(stages.mix(streams, chunks, out))
+
+
+@pytest.mark.parametrize("sizes, sources", MIXES)
 @pytest.mark.parametrize("chunk", [1, 3, 4, 100])
 def test_mix_of_deferred_windows_is_the_mix_of_taken_ones(sizes, sources, chunk):
     # the same permutations taken at once (deferred) or first per source, then mixed
-    def mixed(rows, out):
-        streams = [iter(source_parts(s, n, rows)) for s, n in enumerate(sizes)]
-        chunks = [np.array(sources[a : a + chunk]) for a in range(0, len(sources), chunk)]
-        return list(stages.mix(streams, chunks, out))
-
     def plain(parts):
         return [(values(p.rows), {k: list(v) for k, v in p.labels.items()}, list(p.keys))
                 for p in parts]  # fmt: skip
 
-    eager = mixed(stages.COLUMNS, stages.COLUMNS)
-    assert plain(mixed(stages.deferred(stages.COLUMNS), stages.COLUMNS)) == plain(eager)
-    assert plain(mixed(stages.VALUE_COLUMNS, stages.VALUE_COLUMNS)) == plain(eager)
+    eager = mixed_parts(sizes, sources, chunk, stages.COLUMNS, stages.COLUMNS)
+    deferred = stages.deferred(stages.COLUMNS)
+    assert plain(mixed_parts(sizes, sources, chunk, deferred, stages.COLUMNS)) == plain(eager)
     ids = np.concatenate([p.labels["__index__"] for p in eager])
     assert (ids // 100).tolist() == sources == sum((p.labels["__source__"] for p in eager), [])
-    assert sum((p.rows["g"] for p in eager), []) == ids.tolist()
+    expected = [None if source_sample(s, g) is None else g for s, g in zip(sources, ids.tolist())]
+    assert sum((p.rows["g"] for p in eager), []) == expected
+
+
+@pytest.mark.parametrize("sizes, sources", MIXES)
+@pytest.mark.parametrize("chunk", [1, 3, 4, 100])
+@pytest.mark.parametrize("group", [2, 4, 1024])
+def test_a_per_sample_mix_interleaves_each_sources_samples(sizes, sources, chunk, group,
+                                                           monkeypatch):  # fmt: skip
+    # samples built per source, in slices of ``group`` hand-out rows, then interleaved: the
+    # samples of the mixed order, fields in the order of their first source, the unreadable
+    # ones told in order
+    monkeypatch.setattr(stages, "_GROUP", group)
+    rows = stages.deferred(stages.VALUE_COLUMNS)
+    parts = mixed_parts(sizes, sources, chunk, rows, stages.VALUE_COLUMNS)
+    parts = stages.with_parameters(parts, lambda ids: {"twice": ids * 2})
+    progress, skipped = stages.Progress(), []
+    got = list(stages.hand_out_samples(parts, progress, None, skipped.append))
+    ids = [int(p.labels["__index__"][i]) for p in mixed_parts(
+        sizes, sources, chunk, stages.COLUMNS, stages.COLUMNS) for i in range(p.keys.size)]
+    expected, told = [], []
+    for i, (s, g) in enumerate(zip(sources, ids)):
+        sample = source_sample(s, g)
+        if sample is None:
+            told.append({"__index__": g, "__source__": s})
+            continue
+        first = "h" if set(sources[i // chunk * chunk :][:chunk]) == {2} else "g"
+        fields = sorted(sample, key=lambda k: k != first)
+        expected.append({**{k: sample[k] for k in fields}, "__index__": g, "__pad__": False,
+                         "__aug__": {"twice": 2 * g}, "__source__": s})  # fmt: skip
+    assert got == expected and [list(s) for s in got] == [list(s) for s in expected]
+    assert skipped == told and progress.handed_out() == len(sources)
 
 
 def test_hand_out_samples_builds_a_long_part_in_slices():

@@ -150,6 +150,23 @@ def test_stateful_loader_with_workers_resumes_a_mix(three):
     assert sorted(pairs(handed) + pairs(rest)) == sorted(pairs(weighted(three)))
 
 
+def plain(value):
+    """A value of a row of columns as Python: numpy and Arrow scalars unwrapped."""
+    return value.as_py() if hasattr(value, "as_py") else getattr(value, "item", lambda: value)()
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_per_sample_and_row_passes_of_a_mix_hand_out_the_same(three, epoch):
+    # per-sample: each source's samples built in its own order, then interleaved; rows (what a
+    # loader collates): the sources' rows gathered into the mixed order. Sample by sample equal
+    samples = list(weighted(three, epoch=epoch))
+    rows = [{name: plain(col[i]) if name != "__aug__" else {k: plain(v[i]) for k, v in col.items()}
+             for name, col in columns.items()}
+            for columns, i in weighted(three, epoch=epoch).loader_view()]  # fmt: skip
+    assert len(samples) == len(rows) == 2000
+    assert samples == rows and [list(s) for s in samples] == [list(r) for r in rows]
+
+
 def test_tar_and_parquet_sources_mix(tar_shards, parquet_shards):
     tar = tar_shards([30, 30], name="t", size=8)
     table = parquet_shards([25, 15], name="p")
