@@ -121,8 +121,10 @@ def test_the_cache_folder_deleted_between_epochs_is_laid_out_again(
     cache_dir = tmp_path / "cache"
 
     def delete(epoch: int) -> None:
-        if epoch == 1:
-            shutil.rmtree(cache_dir)
+        if epoch == 1:  # gone at once: a persistent worker may still be writing its stats in it
+            gone = tmp_path / "deleted"  # (rmtree then meets a file made after it listed the
+            cache_dir.rename(gone)  # folder: "Directory not empty")
+            shutil.rmtree(gone, ignore_errors=True)
 
     ds = _dataset(remote_tar, s3_proxy, cache_dir)
     assert deliver(ds, epochs=(0, 1), before_epoch=delete) == [remote_tar.expected] * 2
