@@ -405,9 +405,10 @@ def _grouped(
     firsts, columns, key = grouped
     if isinstance(values, np.ndarray):
         data = pa.py_buffer(buf)
-        keep = views and as_columns
-        columns = {name: col if isinstance(col, list) else _view_array(col, data) if keep else
-                   _view_array(col, data).to_pylist() for name, col in columns.items()}  # fmt: skip
+        for name, col in columns.items():
+            if not isinstance(col, list):  # a field's views (the keys are a list)
+                array = _view_array(col, data)
+                columns[name] = array if views and as_columns else array.to_pylist()
     if need_data and not as_columns:
         return firsts, rows_of(list(columns), list(columns.values())), key
     return firsts, columns if need_data else [], key
