@@ -3,8 +3,12 @@
 from nnh_data.audit import AuditReport, EpochAudit, ExactlyOnceError
 from nnh_data.augment import (
     GEOMETRY_NAMES,
+    PADDING_MODES,
     PARAM_NAMES,
     AugmentationConfig,
+    AugmentModule,
+    AugmentParams,
+    apply_augmentation,
     crop_box,
     gen_augmentation_params,
     gen_augmentation_params_batch,
@@ -13,18 +17,18 @@ from nnh_data.augment import (
     list_presets,
     stream_distributed_augmentation_chain,
 )
-from nnh_data.decoders import SampleDecoder
-from nnh_data.gather import gather_for_metrics
-from nnh_data.image_decode import decode_crop
+from nnh_data.cache import CacheEntry, ShardCache
+from nnh_data.images import SampleDecoder, decode_crop
 from nnh_data.loaders import (
     RankCache,
     RankCachedSampler,
     SharedEpochDataset,
     create_distributed_loader,
     create_rank_cached_dataloader,
+    gather_for_metrics,
     rank_share,
 )
-from nnh_data.mixing import Source, plan_counts
+from nnh_data.order import DistributedRangeSplitter, Source, plan_counts
 from nnh_data.packed import PackedField
 from nnh_data.precompute import (
     PrecomputedParams,
@@ -33,9 +37,7 @@ from nnh_data.precompute import (
     verify_precomputed_params,
     write_precomputed_params,
 )
-from nnh_data.ranges import DistributedRangeSplitter
 from nnh_data.seeding import RankAwareSeedGenerator
-from nnh_data.shard_cache import CacheEntry, ShardCache
 from nnh_data.shards import (
     ShardError,
     ShardIndex,
@@ -44,11 +46,14 @@ from nnh_data.shards import (
     build_shard_index,
     expand_sources,
     iter_shard_samples,
+    write_shards,
 )
-from nnh_data.streaming import ShardedStreamingDataset, merge_states, state_from_loader
-from nnh_data.streaming_loader import streaming_loader
-from nnh_data.transforms import PADDING_MODES, AugmentModule, AugmentParams, apply_augmentation
-from nnh_data.writer import write_shards
+from nnh_data.streaming import (
+    ShardedStreamingDataset,
+    merge_states,
+    state_from_loader,
+    streaming_loader,
+)
 
 __all__ = [
     "PADDING_MODES",

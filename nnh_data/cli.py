@@ -21,14 +21,14 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 
-from nnh_data.job_array import array_task_info
-from nnh_data.order import UNEVEN
-from nnh_data.ranges import DistributedRangeSplitter
-from nnh_data.shard_cache import ShardCache, read_schedule
-from nnh_data.shard_index import ShardIndex, ShardInfo
-from nnh_data.shards import ShardError, build_shard_index
-from nnh_data.sources import expand_sources
-from nnh_data.writer import (
+from nnh_data.cache.store import ShardCache, read_schedule
+from nnh_data.order.epoch import UNEVEN
+from nnh_data.order.ranges import DistributedRangeSplitter
+from nnh_data.precompute.job_array import array_task_info
+from nnh_data.shards.index import ShardIndex, ShardInfo
+from nnh_data.shards.reading import ShardError, build_shard_index
+from nnh_data.shards.sources import expand_sources
+from nnh_data.shards.writer import (
     count_directory_samples,
     count_parquet_samples,
     directory_samples,

@@ -131,7 +131,7 @@ def sample_seeds(key: int, sample_ids: np.ndarray) -> np.ndarray:
 
 def premixed_ids(sample_ids: np.ndarray) -> np.ndarray:
     """``mix64(sample_id + G)``: the half of step 2 that no key enters (computed once for ids
-    hashed under many keys, as the window permutations of :mod:`nnh_data.order` are)."""
+    hashed under many keys, as the window permutations of :mod:`nnh_data.order.epoch` are)."""
     z = sample_ids.astype(np.uint64)
     z += np.uint64(GOLDEN)
     return mix64(z)

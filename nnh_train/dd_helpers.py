@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from nnh_data.checks import check_int
-from nnh_data.gather import gather_for_metrics
-from nnh_data.loaders import create_distributed_loader, create_rank_cached_dataloader
+from nnh_data.loaders.distributed import create_distributed_loader, create_rank_cached_dataloader
+from nnh_data.loaders.gather import gather_for_metrics
 from nnh_data.topology import dist_ready
 from nnh_train.outcome import Outcome, pack_value
 

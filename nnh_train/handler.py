@@ -51,18 +51,22 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from nnh_data.checks import check_choice, check_int
-from nnh_data.gather import gather_for_metrics
-from nnh_data.loaders import (
+from nnh_data.loaders.distributed import (
     RankCache,
     SharedEpochDataset,
     create_distributed_loader,
     create_rank_cached_dataloader,
 )
-from nnh_data.stats import describe as describe_data
-from nnh_data.stats import sum_over_ranks
-from nnh_data.streaming import ShardedStreamingDataset, state_from_loader, streaming_dataset_of
-from nnh_data.streaming_loader import streaming_loader
-from nnh_data.worker_signals import shielded_worker_init
+from nnh_data.loaders.gather import gather_for_metrics
+from nnh_data.streaming.dataset import (
+    ShardedStreamingDataset,
+    state_from_loader,
+    streaming_dataset_of,
+)
+from nnh_data.streaming.loader import streaming_loader
+from nnh_data.streaming.stats import describe as describe_data
+from nnh_data.streaming.stats import sum_over_ranks
+from nnh_data.workers.signals import shielded_worker_init
 from nnh_train.callbacks import Callback, ModelCheckpoint
 from nnh_train.checkpoint import (
     load_checkpoint,
@@ -300,9 +304,9 @@ class NNHandler(OriginalAPI):
     ) -> None:  # fmt: skip
         """Train on ``dataset`` with ``batch_size`` samples per process and step.
 
-        A map-style dataset gets :func:`~nnh_data.loaders.create_distributed_loader` (or the
-        rank-cached loader with ``cache=True``); a ``ShardedStreamingDataset``
-        :func:`~nnh_data.streaming_loader` (batch-aligned worker ranges; a ``StatefulDataLoader``
+        A map-style dataset gets :func:`~nnh_data.loaders.distributed.create_distributed_loader`
+        (or the rank-cached loader with ``cache=True``); a ``ShardedStreamingDataset``
+        :func:`~nnh_data.streaming.loader` (batch-aligned worker ranges; a ``StatefulDataLoader``
         whose position checkpoints hold); a ``DataLoader`` is used as is.
         ``loader_kwargs`` go to the loader; ``shuffle`` and ``drop_last`` set the sampler's
         (the original's ``dataloader_type=DataLoaderType.RANK_CACHED`` is ``cache=True``).
@@ -871,8 +875,8 @@ class NNHandler(OriginalAPI):
         """The model's outputs (tensors) for every sample, in dataset order, on rank 0.
 
         Every rank runs its share (pads dropped); the rows are gathered with
-        :func:`~nnh_data.gather.gather_for_metrics`. Call it on every rank; ranks other than 0
-        get ``None``. In one process any ``DataLoader`` works, in the loader's order.
+        :func:`~nnh_data.loaders.gather.gather_for_metrics`. Call it on every rank; ranks other
+        than 0 get ``None``. In one process any ``DataLoader`` works, in the loader's order.
 
         Example:
             >>> outputs = handler.predict(test_set)  # (len(test_set), ...) on rank 0

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from nnh_data.audit import SECOND_CUT
+from nnh_data.audit.epoch_audit import SECOND_CUT
 from tests.examples.frameworks import (
     SAMPLES,
     assert_each_sample_once,

@@ -17,7 +17,7 @@ import pytest
 
 import tests.examples.test_train_minimal as e2e
 from tests.examples.test_train_minimal import ARGS, SCRIPT, assert_same_weights, env
-from tests.nnh_data import test_precompute_slurm
+from tests.nnh_data.precompute import test_slurm as test_precompute_slurm
 from tests.support import ROOT, free_port
 
 data_dir, reference = e2e.data_dir, e2e.reference  # its module-scoped fixtures, used here too

@@ -2,8 +2,8 @@
 (HTTP 500, a burst of 503 SlowDown, a connection reset mid-body, a truncated body, a stall
 past the read timeout) cost retries, never a sample; a shard that always fails is named after
 exactly ``ATTEMPTS`` attempts, with and without the cache (the bound the README states: the
-attempts are counted at the proxy, the waits between them in ``tests/nnh_data/test_retries.py``;
-no test here asserts wall seconds)."""
+attempts are counted at the proxy, the waits between them in
+``tests/nnh_data/shards/test_retries.py``; no test here asserts wall seconds)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from nnh_data import ShardCache, ShardedStreamingDataset, ShardError
-from nnh_data.retries import ATTEMPTS, BACKOFF_S
+from nnh_data.shards.retries import ATTEMPTS, BACKOFF_S
 from tests.faults.conftest import PER_SHARD
 from tests.support import Fault
 

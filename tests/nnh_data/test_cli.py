@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from nnh_data.cli import main
-from nnh_data.shards import build_shard_index, iter_shard_samples
+from nnh_data.shards.reading import build_shard_index, iter_shard_samples
 
 
 def test_index_prints_a_summary_and_saves_the_sidecar(tar_shards, tmp_path, capsys):

@@ -24,7 +24,7 @@ import torch
 
 from nnh_train.checkpoint import load_checkpoint
 from nnh_train.preemption import PREEMPTED_EXIT_CODE
-from tests.nnh_data import test_precompute_slurm
+from tests.nnh_data.precompute import test_slurm as test_precompute_slurm
 from tests.support import SCRIPTS, free_port, processes_mentioning
 
 SCRIPT = SCRIPTS / "handler_job.py"

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from nnh_data.streaming import ShardedStreamingDataset
+from nnh_data.streaming.dataset import ShardedStreamingDataset
 
 
 def main(source: str) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from nnh_data import ShardedStreamingDataset, ShardIndex, ShardInfo
-from nnh_data.audit import EpochAudit
+from nnh_data.audit.epoch_audit import EpochAudit
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_minimal.py"
 SAMPLES, BATCH, REPEATS = 4096, 64, 5

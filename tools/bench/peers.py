@@ -147,7 +147,7 @@ def _litdata_item(sample: dict) -> dict:
 
 
 def write_nnh(samples, folder: str, per_shard: int) -> None:
-    from nnh_data.writer import write_shards
+    from nnh_data.shards.writer import write_shards
 
     write_shards(samples, f"{folder}/s-%06d.tar", max_count=per_shard)
 
@@ -212,7 +212,7 @@ def prepare(data: str, args: argparse.Namespace) -> None:
             start = time.perf_counter()
             WRITERS[fmt](samples(), folder, per_shard)
             if fmt in ("nnh", "webdataset"):  # the sidecar a job after the first finds
-                from nnh_data.shards import build_shard_index
+                from nnh_data.shards.reading import build_shard_index
 
                 build_shard_index(shard_pattern(folder))
             open(f"{folder}/.done", "w").close()

@@ -25,8 +25,8 @@ from contextlib import contextmanager
 from streaming import PER_SHARD, samples, thirds, write_parquet  # tools/bench/streaming.py
 
 from nnh_data import ShardedStreamingDataset, Source
-from nnh_data.stats import Meter
-from nnh_data.writer import write_shards
+from nnh_data.shards.writer import write_shards
+from nnh_data.streaming.stats import Meter
 
 COUNT, ROUNDS = 20_000, 7
 _CALLS = ("read", "part", "add", "decoded")

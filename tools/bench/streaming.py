@@ -40,12 +40,12 @@ import pyarrow.parquet as pq
 import webdataset as wds
 from common import best_rates, in_fresh_process, rss_growth  # tools/bench/common.py
 
-from nnh_data.augment import gen_augmentation_params_batch
-from nnh_data.batching import rows_of
-from nnh_data.mixing import Source
-from nnh_data.shards import build_shard_index
-from nnh_data.streaming import ShardedStreamingDataset
-from nnh_data.writer import write_shards
+from nnh_data.augment.params import gen_augmentation_params_batch
+from nnh_data.columns import rows_of
+from nnh_data.order.mixing import Source
+from nnh_data.shards.reading import build_shard_index
+from nnh_data.shards.writer import write_shards
+from nnh_data.streaming.dataset import ShardedStreamingDataset
 
 SAMPLE_BYTES = 3072
 PER_SHARD = 1000
@@ -158,7 +158,7 @@ def first_sample_seconds(pattern: str) -> float:
     fresh process after its imports."""
     return in_fresh_process(
         "import time\n"
-        "from nnh_data.streaming import ShardedStreamingDataset\n"
+        "from nnh_data.streaming.dataset import ShardedStreamingDataset\n"
         "t = time.perf_counter()\n"
         f"next(iter(ShardedStreamingDataset({pattern!r})))\n"
         "print(time.perf_counter() - t)"
@@ -168,7 +168,7 @@ def first_sample_seconds(pattern: str) -> float:
 def stream_all(source: str) -> str:
     """Code that streams every sample of ``source`` once (for a fresh process)."""
     return (
-        "from nnh_data.streaming import ShardedStreamingDataset\n"
+        "from nnh_data.streaming.dataset import ShardedStreamingDataset\n"
         f"n = sum(1 for _ in ShardedStreamingDataset({source!r}))"
     )
 

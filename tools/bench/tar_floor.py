@@ -31,7 +31,12 @@ from collections.abc import Callable
 
 import peers  # tools/bench/peers.py: the data sets and the loaders
 
-from nnh_data.shards import ShardReader, build_shard_index, decode_shard_columns, split_shard_range
+from nnh_data.shards.reading import (
+    ShardReader,
+    build_shard_index,
+    decode_shard_columns,
+    split_shard_range,
+)
 
 _BLOCK = 2 << 20  # source_reader's read size for local tar shards
 

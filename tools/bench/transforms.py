@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from common import best_rates  # tools/bench/common.py, beside this file
 
-from nnh_data.augment import AugmentationConfig, gen_augmentation_params_batch, get_preset
-from nnh_data.transforms import apply_augmentation
+from nnh_data.augment.params import AugmentationConfig, gen_augmentation_params_batch, get_preset
+from nnh_data.augment.transforms import apply_augmentation
 
 try:
     import kornia

@@ -1,0 +1,13 @@
+"""The epoch order and its split: pure functions from integers to integers.
+
+An epoch's order is a function of (seed, epoch) over the concatenated shards (:mod:`.epoch`),
+cut into one contiguous range per rank (:mod:`.ranges`), then per DataLoader worker; several
+sources are drawn and interleaved by :mod:`.mixing`; :mod:`.resume` turns a position in that
+order into a small JSON-safe state and back. Nothing here reads a file.
+"""
+
+from nnh_data.order.mixing import Source, plan_counts
+from nnh_data.order.ranges import DistributedRangeSplitter
+from nnh_data.order.resume import merge_states, state_from_loader
+
+__all__ = ["DistributedRangeSplitter", "Source", "merge_states", "plan_counts", "state_from_loader"]
