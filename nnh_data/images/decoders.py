@@ -33,7 +33,7 @@ from PIL import Image
 
 from nnh_data.augment.params import GEOMETRY_NAMES
 from nnh_data.checks import check_choice, check_int
-from nnh_data.images.decode_crop import decode_crop
+from nnh_data.images.crop_decoder import decode_crop
 
 __all__ = ["DECODER_NAMES", "IMAGE_EXTENSIONS", "SampleDecoder"]
 

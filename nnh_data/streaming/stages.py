@@ -33,8 +33,17 @@ from typing import Any
 
 import numpy as np
 
-from nnh_data import columns
-from nnh_data.columns import Columns
+from nnh_data.columns import (
+    Columns,
+    as_list,
+    columns_of,
+    concat,
+    constant,
+    cut,
+    num_rows,
+    rows_of,
+    take,
+)
 from nnh_data.order.epoch import EpochOrder, Intervals
 
 __all__ = [
@@ -64,19 +73,19 @@ LEFT_OUT = object()  # what a ``finish`` function returns for an item it leaves 
 
 
 def _label_columns(rows: Columns, name: str, value: Any) -> Columns:
-    rows[name] = [value] * columns.num_rows(rows)
+    rows[name] = [value] * num_rows(rows)
     return rows
 
 
 def _label_arrow(rows: Columns, name: str, value: Any) -> Columns:
     """:func:`_label_columns` for batches: text (a shard's URL) as an Arrow column
-    (:func:`columns.constant`), which a batch packs without a Python object per row."""
-    rows[name] = columns.constant(value, columns.num_rows(rows))
+    (:func:`constant`), which a batch packs without a Python object per row."""
+    rows[name] = constant(value, num_rows(rows))
     return rows
 
 
 def _columns_of_samples(samples: list) -> Columns:
-    cols = columns.columns_of([s or {} for s in samples])
+    cols = columns_of([s or {} for s in samples])
     if None in samples:
         cols[SKIPPED] = [s is None for s in samples]
     return cols
@@ -99,20 +108,20 @@ def _value_columns_of_samples(samples: list) -> Columns:
 
 
 def _joined_values(parts: list[Columns]) -> Columns:
-    """The parts' rows one after the other (:func:`columns.concat`); a field that some parts
+    """The parts' rows one after the other (:func:`concat`); a field that some parts
     lack (shards of other columns) is :data:`_ABSENT` in their rows, which are flagged in
     :data:`_ABSENT_ROWS`, so that their samples are built without it."""
     names = dict.fromkeys(chain.from_iterable(parts))
     for name in (SKIPPED, _ABSENT_ROWS):
         names.pop(name, None)
     if all(len(names.keys() - part.keys()) == 0 for part in parts):
-        return columns.concat(parts)
+        return concat(parts)
     filled = []
     for part in parts:
-        n, lacking = columns.num_rows(part), names.keys() - part.keys()
+        n, lacking = num_rows(part), names.keys() - part.keys()
         absent = {name: [_ABSENT] * n for name in lacking}
         filled.append({**part, **absent, _ABSENT_ROWS: [bool(lacking)] * n} if lacking else part)
-    return columns.concat(filled)
+    return concat(filled)
 
 
 @dataclass(frozen=True)
@@ -130,10 +139,10 @@ class Rows:
 
 
 COLUMNS = Rows(
-    size=columns.num_rows,
-    cut=columns.cut,
-    join=columns.concat,
-    take=columns.take,
+    size=num_rows,
+    cut=cut,
+    join=concat,
+    take=take,
     label=_label_arrow,
     from_samples=_columns_of_samples,
     arrow=True,
@@ -149,7 +158,7 @@ def _taken_values(columns: Columns, indices: np.ndarray) -> Columns:
     return {
         name: _taken_values(col, indices) if isinstance(col, dict) else
         col[indices] if isinstance(col, np.ndarray) else
-        tuple(map(columns.as_list(col).__getitem__, positions))
+        tuple(map(as_list(col).__getitem__, positions))
         for name, col in columns.items()
     }  # fmt: skip
 
@@ -258,8 +267,8 @@ def assemble(
     num_pads: int,
     rows: Rows,
 ) -> Iterator[Part]:
-    """Parts in hand-out order from the decoded blocks of :func:`read_plan` then
-    :func:`pad_plan` (``(concat start, rows)`` each): one per window of ``positions``, then
+    """Parts in hand-out order from the decoded blocks of :mod:`nnh_data.order.blocks` (read,
+    then pads; ``(concat start, rows)`` each): one per window of ``positions``, then
     one per pad, labelled with ``__index__`` (the global ids) and ``__pad__``."""
     cursor = _Cursor(decoded, rows)
     for group in window_groups(positions, window or _GROUP):
@@ -361,13 +370,13 @@ def _mixed_part(cursors: list[_PartCursor], sources: np.ndarray, rows: Rows) -> 
         blocks.append(block)
         picks.append(at + offset)
         offset += rows.size(block)
-        labels.append(columns.cut(part.labels, a, b))
+        labels.append(cut(part.labels, a, b))
         keys.append(part.keys[a:b])
     where = np.empty(sources.size, dtype=np.int64)  # row i of the part is span row where[i]
     where[np.argsort(sources, kind="stable")] = np.arange(sources.size)
     joined = blocks[0] if len(blocks) == 1 else rows.join(blocks)
     taken = rows.take(joined, np.concatenate(picks)[where])
-    return Part(taken, columns.take(columns.concat(labels), where), np.concatenate(keys)[where])
+    return Part(taken, take(concat(labels), where), np.concatenate(keys)[where])
 
 
 @dataclass(frozen=True)
@@ -465,13 +474,13 @@ def _sample_slices(part: Part) -> Iterator[tuple[list, list[dict]]]:
     cols.update({"__index__": labels["__index__"], "__pad__": labels["__pad__"],
                     "__aug__": part.params, **labels})  # fmt: skip
     names, whole = list(cols), part.keys.size <= _GROUP  # whole: one slice, no iterators
-    values = [c if isinstance(c, (np.ndarray, dict)) else columns.as_list(c) if whole else
-              iter(columns.as_list(c)) for c in cols.values()]  # fmt: skip
+    values = [c if isinstance(c, (np.ndarray, dict)) else as_list(c) if whole else
+              iter(as_list(c)) for c in cols.values()]  # fmt: skip
     flags, lacking = (() if f is None else iter(f) for f in (flags, lacking))
     told = _told(labels)
     for start in range(0, part.keys.size, _GROUP):
         stop = min(start + _GROUP, part.keys.size)
-        samples = columns.rows_of(names, [_slice(v, start, stop) for v in values])
+        samples = rows_of(names, [_slice(v, start, stop) for v in values])
         n = stop - start
         missing = _finished(samples, islice(lacking, n), islice(flags, n))
         yield samples, [{k: _item(labels[k][start + i]) for k in told} for i in missing]
@@ -509,7 +518,7 @@ def _span_samples(
     cut = {k: _slice(v, a, b) for k, v in labels.items()}
     columns.update({"__index__": cut["__index__"], "__pad__": cut["__pad__"], "__aug__": params,
                     **cut})  # fmt: skip
-    samples = columns.rows_of(list(columns), list(columns.values()))
+    samples = rows_of(list(columns), list(columns.values()))
     flags, lacking = (_slice(values[k], a, b) if k in values else ()
                       for k in (SKIPPED, _ABSENT_ROWS))  # fmt: skip
     missing = _finished(samples, repeat(True) if absent else lacking, flags)
@@ -541,7 +550,7 @@ def _slice(values: Any, start: int, stop: int) -> Iterable:
     if isinstance(values, np.ndarray):
         return values[start:stop].tolist()
     if isinstance(values, dict):
-        return columns.rows_of(list(values), [c[start:stop].tolist() for c in values.values()])
+        return rows_of(list(values), [c[start:stop].tolist() for c in values.values()])
     if isinstance(values, Iterator):
         return islice(values, stop - start)
     return values if start == 0 and stop == len(values) else values[start:stop]
@@ -565,7 +574,7 @@ def hand_out_rows(
         columns = {**part.rows, "__index__": labels["__index__"], "__pad__": labels["__pad__"],
                    "__aug__": part.params, **labels}  # fmt: skip
         flags = columns.pop(SKIPPED, None)
-        n = columns.num_rows(labels)
+        n = num_rows(labels)
         stack = [_DONE]
         stack += zip(repeat(columns), range(n - 1, -1, -1))
         del part, labels
@@ -599,20 +608,20 @@ def hand_out_batches(
     count = 0
     for part in parts:
         pending.append({**part.rows, **part.labels, "__aug__": part.params})
-        count += columns.num_rows(part.rows)
+        count += num_rows(part.rows)
         if count < size:
             continue
-        rows, start = columns.concat(pending), 0
+        rows, start = concat(pending), 0
         while count - start >= size:
-            batch = finish(columns.cut(rows, start, start + size))
+            batch = finish(cut(rows, start, start + size))
             start += size
             progress.consumed += size
             if batch is not LEFT_OUT:
                 yield batch
-        pending = [columns.cut(rows, start, count)] if start < count else []
+        pending = [cut(rows, start, count)] if start < count else []
         count -= start
     if count:
-        batch = finish(columns.concat(pending))
+        batch = finish(concat(pending))
         progress.consumed += count
         if batch is not LEFT_OUT:
             yield batch

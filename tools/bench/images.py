@@ -29,7 +29,7 @@ import webdataset as wds
 from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import DataLoader
 
-import nnh_data.images.decode_crop as image_decode
+import nnh_data.images.crop_decoder as image_decode
 from nnh_data import (
     SampleDecoder,
     ShardedStreamingDataset,
@@ -38,7 +38,7 @@ from nnh_data import (
     get_preset,
     streaming_loader,
 )
-from nnh_data.images.decode_crop import decode_crop_reference
+from nnh_data.images.crop_decoder import decode_crop_reference
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import best_rates  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-import nnh_data.images.decode_crop as image_decode
+import nnh_data.images.crop_decoder as image_decode
 from nnh_data import (
     SampleDecoder,
     ShardedStreamingDataset,
@@ -21,7 +21,7 @@ from nnh_data import (
     gen_augmentation_params,
     get_preset,
 )
-from nnh_data.images.decode_crop import decode_crop_reference
+from nnh_data.images.crop_decoder import decode_crop_reference
 from tests.support import encoded, picture
 
 BACKENDS = ["simplejpeg", "pillow"]
