@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from nnh_data.checks import check_int
-from nnh_data.loaders.distributed import create_distributed_loader, create_rank_cached_dataloader
+from nnh_data.loaders.distributed import create_distributed_loader
 from nnh_data.loaders.gather import gather_for_metrics
+from nnh_data.loaders.rank_cached import create_rank_cached_dataloader
 from nnh_data.topology import dist_ready
 from nnh_train.outcome import Outcome, pack_value
 

@@ -51,13 +51,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from nnh_data.checks import check_choice, check_int
-from nnh_data.loaders.distributed import (
-    RankCache,
-    SharedEpochDataset,
-    create_distributed_loader,
-    create_rank_cached_dataloader,
-)
+from nnh_data.loaders.distributed import SharedEpochDataset, create_distributed_loader
 from nnh_data.loaders.gather import gather_for_metrics
+from nnh_data.loaders.rank_cached import RankCache, create_rank_cached_dataloader
 from nnh_data.streaming.dataset import (
     ShardedStreamingDataset,
     state_from_loader,

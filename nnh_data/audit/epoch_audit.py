@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from nnh_data.audit.id_sketch import IdSketch, SketchDifference, decode, encode
-from nnh_data.loaders.distributed import RankCache, RankCachedSampler
+from nnh_data.loaders.rank_cached import RankCache, RankCachedSampler
 from nnh_data.order.resume import loader_states
 from nnh_data.streaming.dataset import ShardedStreamingDataset, streaming_dataset_of
 from nnh_data.topology import dist_ready

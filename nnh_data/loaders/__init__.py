@@ -2,15 +2,14 @@
 (:mod:`.distributed`), exact evaluation over ranks (:mod:`.gather`), and the guard that stops a
 framework from splitting an already split dataset again (:mod:`.resplit_guard`)."""
 
-from nnh_data.loaders.distributed import (
+from nnh_data.loaders.distributed import SharedEpochDataset, create_distributed_loader
+from nnh_data.loaders.gather import gather_for_metrics
+from nnh_data.loaders.rank_cached import (
     RankCache,
     RankCachedSampler,
-    SharedEpochDataset,
-    create_distributed_loader,
     create_rank_cached_dataloader,
     rank_share,
 )
-from nnh_data.loaders.gather import gather_for_metrics
 
 __all__ = [
     "RankCache",

@@ -20,14 +20,10 @@ from pathlib import Path
 
 from nnh_data.augment.params import AugmentationConfig, get_preset, list_presets
 from nnh_data.precompute.job_array import array_task_info
-from nnh_data.precompute.table import (
-    MANIFEST_NAME,
-    PrecomputeSpec,
-    finalize_precomputed_params,
-    load_precomputed_params,
-    verify_precomputed_params,
-    write_precomputed_params,
-)
+from nnh_data.precompute.read import load_precomputed_params
+from nnh_data.precompute.spec import MANIFEST_NAME, PrecomputeSpec
+from nnh_data.precompute.verify import verify_precomputed_params
+from nnh_data.precompute.write import finalize_precomputed_params, write_precomputed_params
 from nnh_data.seeding import seed_hex
 
 __all__ = ["main"]

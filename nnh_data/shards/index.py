@@ -45,7 +45,8 @@ from nnh_data.shards.sources import (
     listed_sources,
     shard_filesystem,
 )
-from nnh_data.shards.tar import BLOCK, TarFormatError, parse_samples
+from nnh_data.shards.tar import parse_samples
+from nnh_data.shards.tar_members import BLOCK, TarFormatError
 from nnh_data.shards.tar_salvage import AFTER_END, data_after_end, salvage_tar
 from nnh_data.topology import dist_info
 

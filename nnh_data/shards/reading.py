@@ -37,7 +37,8 @@ from nnh_data.shards.index import (
 from nnh_data.shards.parquet import ParquetReader
 from nnh_data.shards.retries import is_transient, remote_fs, retrying
 from nnh_data.shards.sources import expand_sources, is_local
-from nnh_data.shards.tar import BLOCK, ZERO_BLOCK, Parsed, TarFormatError, parse_samples
+from nnh_data.shards.tar import parse_samples
+from nnh_data.shards.tar_members import BLOCK, ZERO_BLOCK, Parsed, TarFormatError
 
 __all__ = [
     "ShardError",

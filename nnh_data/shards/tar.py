@@ -2,128 +2,88 @@
 
 Python's ``tarfile`` builds a ``TarInfo`` per member and reads through a file object, which caps
 it (and webdataset on top of it) at ~11k small samples/s. Here a shard's byte range is read in
-one block and members are sliced out of it. Blocks of plain ustar (or GNU) files named
-``key.field``, as :mod:`nnh_data.shards.writer` writes them, take a vectorised path: the headers are
-found, checked and their names split for the whole block at once with numpy and one regular
-expression match per sample (2-4x less time per sample). Anything else takes an exact loop, one
-``struct`` unpack and a few slices per member: POSIX ustar, PAX extended headers ('x' per
-member, 'g' global: skipped) and GNU long names ('L') are handled; directories, links and
-webdataset metadata members (``__name__``) are skipped. Both give the same results and errors.
-
-Sample grouping follows ``webdataset.tariterators``: the key is the path up to the first dot of
-its basename, the field is the rest of the name, lower-cased; consecutive members with the same
-key form one sample.
+one block and members are sliced out of it. :func:`parse_samples` is the one entry point:
+blocks of plain ustar (or GNU) files named ``key.field``, as :mod:`nnh_data.shards.writer`
+writes them, take a vectorised path (:func:`parse_plain`): the headers are found, checked and
+their names split for the whole block at once with numpy and one regular expression match per
+sample (2-4x less time per sample). Anything else takes the exact member loop of
+:mod:`nnh_data.shards.tar_members`. Both give the same results and errors (a property test
+compares them).
 """
 
 from __future__ import annotations
 
 import functools
 import re
-import struct
-import tarfile
 from itertools import compress, repeat
 from operator import eq, ne
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from nnh_data.columns import rows_of
+from nnh_data.shards.tar_members import (
+    BLOCK,
+    MAGIC,
+    MAGIC_BITS,
+    REGULAR_KINDS,
+    SKIPPED_KINDS,
+    USTAR_MAGIC,
+    ZERO_BLOCK,
+    Parsed,
+    as_blocks,
+    bad_checksums,
+    parse_samples_loop,
+)
 
-__all__ = [
-    "BLOCK",
-    "ZERO_BLOCK",
-    "Header",
-    "Parsed",
-    "parse_plain",
-    "TarFormatError",
-    "check_checksums",
-    "header_at",
-    "header_blocks",
-    "parse_samples",
-    "parse_samples_loop",
-    "split_name",
-]
+__all__ = ["parse_plain", "parse_samples"]
 
-BLOCK = 512
-ZERO_BLOCK = bytes(BLOCK)
-# name, size, typeflag: the ustar fields read for every member (the ustar prefix only where it is
-# set; checksums are verified separately, for a whole block at once).
-_HEADER = struct.Struct("100s24x12s20xc")
-_REGULAR = (b"0", b"\0", b"7")
-_SKIPPED = (b"1", b"2", b"3", b"4", b"5", b"6", b"K", b"V", b"M", b"N")
-_USTAR = b"ustar\0"
+
 _KINDS = np.zeros(256, np.uint8)  # by typeflag byte: 1 for regular files, 2 for skipped types
-_KINDS[np.frombuffer(b"".join(_REGULAR), np.uint8)] = 1
-_KINDS[np.frombuffer(b"".join(_SKIPPED) + b"g", np.uint8)] = 2
+
+_KINDS[np.frombuffer(b"".join(REGULAR_KINDS), np.uint8)] = 1
+
+_KINDS[np.frombuffer(b"".join(SKIPPED_KINDS) + b"g", np.uint8)] = 2
+
 _MIN_HEADERS = 32  # in fewer, the member loop is quicker than the vectorised path
+
 _MASK6 = (1 << 48) - 1  # the first 6 of 8 bytes (little-endian)
-_USTAR_U64 = int.from_bytes(_USTAR, "little")  # POSIX magic "ustar\0" (then a version)
-# header bytes 256-263 (aligned) hold "ustar" from byte 257 in POSIX and GNU headers
-_MAGIC_BITS, _MAGIC = 0xFFFFFFFFFF << 8, int.from_bytes(b"ustar", "little") << 8
+
+_USTAR_U64 = int.from_bytes(USTAR_MAGIC, "little")  # POSIX magic "ustar\0" (then a version)
+
 _DIGITS = 8.0 ** np.arange(10, -1, -1)  # place values of the 11 digits of a ustar size field
+
 _DIGITS_ZERO = 48 * _DIGITS.sum()  # what 11 "0" characters add up to, in those places
+
 _CHECKSUM_DIGITS = np.stack([_DIGITS[-6:], np.ones(6)], axis=1)  # its value, its digit sum
+
 # octal digits as bytes: 0x30 to 0x37; 8 of them in a little-endian uint64
 _DIGIT_BITS = 0xF8F8F8F8F8F8F8F8
+
 _ZEROS = 0x3030303030303030
+
 _CHECKSUM_BITS = 0xFFFFF8F8F8F8F8F8  # 6 digits, NUL, space
+
 _CHECKSUM_FORMAT = 0x2000303030303030
+
 # a plain member name as the exact loop splits it, with the NULs after it in its name field:
 # the key (up to a non-empty basename stem; not "__...") and the field (the rest of the basename)
 _PLAIN_KEY = r"(?!__)((?:[^\0/]*+/)*+[^\0/.]++)"
+
 _PLAIN_NAME = re.compile(_PLAIN_KEY + r"\.([^\0/]*+)\0++")
-_META = re.compile(r"__[^/]*__($|/)")
-_WDS_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+
 _NOT_IN_KEYS = np.zeros(256, bool)  # bytes the keys _group_fixed takes do not hold
+
 _NOT_IN_KEYS[[0, ord("\n"), ord("."), ord("/")]] = _NOT_IN_KEYS[128:] = True
+
 # An Arrow binary view holds a value of up to 12 bytes itself, after its size: the bytes of
 # its two little-endian words to keep for each size up to 12
 _LOW_KEPT = np.array([(1 << 8 * min(4 + s, 8)) - 1 for s in range(13)], np.uint64)
+
 _HIGH_KEPT = np.array([(1 << 8 * max(s - 4, 0)) - 1 for s in range(13)], np.uint64)
+
 _VIEW = np.dtype((np.void, 16))  # one binary view: size, then the value or prefix, buffer, offset
-
-
-class TarFormatError(ValueError):
-    """A tar archive that cannot be parsed; ``offset`` is the byte position in the parsed block."""
-
-    def __init__(self, offset: int, reason: str) -> None:
-        super().__init__(offset, reason)
-        self.offset = offset
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"{self.reason} at byte {self.offset}"
-
-
-class Parsed(NamedTuple):
-    """What :func:`parse_samples` found in a block."""
-
-    starts: list[int]  # where each sample that begins in the block starts (its first header)
-    samples: list[dict]  # those samples, when their data was read (``need_data``)
-    key: str | None  # the key of the last sample, to carry into the next block
-    stop: int  # where parsing stopped: the next header to read (or the end-of-archive marker)
-    end: bool  # True when the end-of-archive marker was reached
-    # with ``as_columns``, the samples as columns by field (``samples`` then empty) when they all
-    # have the first one's fields in its order, as :func:`nnh_data.columns.columns_of` makes
-    # (with ``views``, values as Arrow arrays)
-    columns: dict[str, list | pa.Array] | None = None
-
-
-def split_name(path: str) -> tuple[str | None, str]:
-    """Split a member path into (key, field) like webdataset's ``base_plus_ext``.
-
-    >>> split_name("a/b/000001.seg.PNG")
-    ('a/b/000001', 'seg.png')
-    """
-    slash = path.rfind("/")
-    dot = path.find(".", slash + 1)
-    if dot > slash + 1:
-        return path[:dot], path[dot + 1 :].lower()
-    match = _WDS_NAME.match(path)
-    if match is None:
-        return None, ""
-    return match.group(1), match.group(2).lower()
 
 
 def parse_samples(
@@ -164,172 +124,6 @@ def parse_samples(
     return parse_samples_loop(buf, pos, limit, need_data=need_data, key=key)
 
 
-def parse_samples_loop(
-    buf: bytes, pos: int, limit: int, *, need_data: bool = True, key: str | None = None
-) -> Parsed:
-    """:func:`parse_samples` for any archive, one member at a time (~1.8 us per member)."""
-    found = Parsed([], [], key, pos, False)
-    heads: list[int] = []
-    try:
-        found = _parse(buf, pos, limit, need_data, found, heads)
-    except (ValueError, IndexError) as exc:
-        check_checksums(buf, heads)  # a corrupt header explains the failure better
-        if isinstance(exc, TarFormatError):
-            raise
-        raise TarFormatError(heads[-1] if heads else pos, f"bad tar header ({exc})") from exc
-    check_checksums(buf, heads)
-    return found
-
-
-def _parse(
-    buf: bytes, pos: int, limit: int, need_data: bool, found: Parsed, heads: list[int]
-) -> Parsed:
-    """The tight loop of :func:`parse_samples`; fills ``found`` and ``heads``."""
-    unpack = _HEADER.unpack_from
-    add_start = found.starts.append
-    add_sample = found.samples.append
-    add_head = heads.append
-    end = len(buf)
-    current = found.key
-    sample: dict = {}
-    start = pos
-    long_path = long_size = None
-    while pos < limit:
-        if pos + BLOCK > end:
-            return found._replace(key=current, stop=start)
-        name, size_field, kind = unpack(buf, pos)
-        if not name[0] and buf[pos : pos + BLOCK] == ZERO_BLOCK:
-            return found._replace(key=current, stop=pos, end=True)
-        add_head(pos)
-        try:
-            size = int(size_field.rstrip(b"\0"), 8)
-        except ValueError:
-            size = _number(size_field)
-        if long_size is not None:
-            size = long_size
-        data = pos + BLOCK
-        pos = data + ((size + 511) & -512)
-        if kind in _REGULAR:
-            if need_data and data + size > end:
-                return found._replace(key=current, stop=start)
-            if long_path is None:
-                cut = name.find(b"\0")
-                path = (name[:cut] if cut >= 0 else name).decode("utf-8", "surrogateescape")
-                if buf[data - 167] and buf[data - 255 : data - 249] == _USTAR:  # prefix, magic
-                    path = _ustar_prefix(buf, data - BLOCK) + path
-            else:
-                path = long_path
-            slash = path.rfind("/")
-            dot = path.find(".", slash + 1)
-            if dot > slash + 1 and path[:2] != "__":
-                key, field = path[:dot], path[dot + 1 :].lower()
-            else:
-                key, field = (None, "") if _META.match(path) else split_name(path)
-            if key is not None:  # else the member is not part of a sample
-                if key != current:
-                    current = key
-                    add_start(start)
-                    sample = {"__key__": key}
-                    if need_data:
-                        add_sample(sample)
-                if field in sample:  # "__key__" too, as webdataset refuses it
-                    raise TarFormatError(start, f"duplicate field {field!r} in sample {key!r}")
-                sample[field] = buf[data : data + size] if need_data else None
-        elif kind == b"x" or kind == b"L":
-            if data + size > end:
-                return found._replace(key=current, stop=start)
-            records = buf[data : data + size]
-            if kind == b"L":
-                long_path = _text(records.rstrip(b"\0"))
-            elif b"path=" in records or b"size=" in records:
-                long_path, long_size = _pax(records, long_path, long_size)
-            continue  # the extended header belongs to the next member
-        elif kind != b"g" and kind not in _SKIPPED:
-            raise TarFormatError(data - BLOCK, f"unsupported tar member type {kind!r}")
-        start = pos
-        long_path = long_size = None
-    # ``start``, not ``pos``: extended headers read just before ``limit`` belong to the member
-    # after it, so the caller reads on from them
-    return found._replace(key=current, stop=start)
-
-
-class Header(NamedTuple):
-    """A member's headers as :func:`header_at` reads them, trusting nothing."""
-
-    start: int  # the member's first block (its extended headers included)
-    head: int  # its own header block, after any extended headers
-    path: str | None  # its path (a PAX or GNU long name applied); None when there is no block
-    size: int | None  # its data size; None when the size field cannot be read
-    kind: bytes  # its typeflag
-    magic: bool  # the header block carries the ustar magic
-    valid: bool  # ... and a right checksum
-
-    @property
-    def key(self) -> str | None:
-        """The key of the sample the member belongs to, as :func:`parse_samples` groups it:
-        "" for a member of no sample (a directory, a link, metadata), None when unknown."""
-        if not self.path or self.kind in (b"x", b"L"):
-            return None
-        if self.kind not in _REGULAR or _META.match(self.path):
-            return ""
-        return split_name(self.path)[0] or ""
-
-
-def header_at(buf: bytes, pos: int) -> Header:
-    """The member whose headers start at ``pos`` in ``buf``, read leniently, to describe or
-    salvage a damaged archive: valid extended headers (PAX 'x', GNU 'L') are applied and stepped
-    over; the member's own header is read even when its checksum is wrong.
-
-    >>> header_at(tar_bytes, 0).path  # doctest: +SKIP
-    '000000.cls'
-    """
-    start, long_path, long_size = pos, None, None
-    while pos + BLOCK <= len(buf):
-        name, size_field, kind = _HEADER.unpack_from(buf, pos)
-        magic = buf[pos + 257 : pos + 262] == b"ustar"
-        valid = magic and not _bad_checksums(_blocks(buf[pos : pos + BLOCK])).size
-        try:
-            size: int | None = int(size_field.rstrip(b"\0"), 8)
-        except ValueError:
-            size = _lenient_number(size_field)
-        data = pos + BLOCK
-        if valid and kind in (b"x", b"L") and size is not None and data + size <= len(buf):
-            records = buf[data : data + size]
-            try:
-                if kind == b"L":
-                    long_path = _text(records.rstrip(b"\0"))
-                else:
-                    long_path, long_size = _pax(records, long_path, long_size)
-            except ValueError:
-                pass  # unreadable records: the member's own header still names it
-            pos = data + ((size + 511) & -512)
-            continue
-        path = _text(name.split(b"\0", 1)[0])
-        if buf[pos + 345] and buf[pos + 257 : pos + 263] == _USTAR:  # a POSIX prefix
-            path = _ustar_prefix(buf, pos) + path
-        size = size if long_size is None else long_size
-        return Header(start, pos, long_path or path, size, kind, magic, valid)
-    return Header(start, pos, None, None, b"", False, False)
-
-
-def _lenient_number(field: bytes) -> int | None:
-    try:
-        return _number(field)
-    except ValueError:
-        return None
-
-
-def header_blocks(buf: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """The numbers of the 512-byte blocks of ``buf`` that carry the ustar magic, and a mask of
-    those with a right checksum: real headers, where reading can resume after damage."""
-    blocks = _blocks(buf)
-    magic = blocks[:, 256:264].view("<u8")[:, 0]
-    heads = np.flatnonzero((magic & _MAGIC_BITS) == _MAGIC)
-    valid = np.ones(len(heads), bool)
-    valid[_bad_checksums(blocks.take(heads, axis=0))] = False
-    return heads, valid
-
-
 def parse_plain(
     buf: bytes | memoryview,
     pos: int,
@@ -344,7 +138,7 @@ def parse_plain(
     (the caller then runs the exact loop, which also raises the right errors)."""
     if pos % BLOCK:
         return None
-    blocks = _blocks(buf)
+    blocks = as_blocks(buf)
     last = min(-(-limit // BLOCK), len(blocks))
     chain = _header_chain(blocks, pos // BLOCK, last)
     if chain is None:
@@ -421,7 +215,7 @@ def _value_views(
     of ``buf`` (``sizes`` long), made by numpy from each value's first 16 bytes: its size, then
     a value of up to 12 bytes itself (zero-padded), or a longer one's first 4 bytes, buffer 0
     and its offset. None when a value begins in a last, partial block."""
-    words = _blocks(buf).view("<u8")  # 64 words of 8 bytes per block
+    words = as_blocks(buf).view("<u8")  # 64 words of 8 bytes per block
     at = heads + 1  # each value's first block
     if at[-1] >= len(words):
         return None
@@ -454,7 +248,7 @@ def _header_chain(
     Every block with the magic is found at once; usually they are exactly the chain (else,
     when data looks like a header, the chain is walked in Python)."""
     magic = blocks[first:last, 256:264].view("<u8")[:, 0]
-    heads = first + np.flatnonzero((magic & _MAGIC_BITS) == _MAGIC)
+    heads = first + np.flatnonzero((magic & MAGIC_BITS) == MAGIC)
     if len(heads) < _MIN_HEADERS:
         return None
     rows = blocks.take(heads, axis=0)
@@ -505,7 +299,7 @@ def _checksums_ok(rows: np.ndarray) -> bool:
         computed = rows.sum(1, dtype=np.uint32) - (digit_sum + 6 * 48 + 32) + 8 * 32
         if (computed == stored).all():
             return True
-    return not _bad_checksums(rows).size
+    return not bad_checksums(rows).size
 
 
 def _name_text(rows: np.ndarray) -> str:
@@ -678,70 +472,3 @@ def _group_any(
         if values is not None:
             samples.append(sample)
     return firsts, samples, keys[-1]
-
-
-def _blocks(buf: bytes | memoryview) -> np.ndarray:
-    """``buf`` as a (n, 512) uint8 array of its whole blocks (no copy)."""
-    return np.frombuffer(buf, np.uint8, count=len(buf) // BLOCK * BLOCK).reshape(-1, BLOCK)
-
-
-def _number(field: bytes) -> int:
-    """A numeric header field in GNU base-256 or octal that ``int`` cannot parse directly."""
-    try:
-        return tarfile.nti(field)
-    except tarfile.InvalidHeaderError as exc:
-        raise ValueError(f"bad number {field!r}") from exc
-
-
-def _text(raw: bytes) -> str:
-    return raw.decode("utf-8", "surrogateescape")
-
-
-def _ustar_prefix(buf: bytes, head: int) -> str:
-    """The ustar prefix of the header at ``head``, with its "/" separator."""
-    return _text(buf[head + 345 : head + 500].split(b"\0", 1)[0]) + "/"
-
-
-def _pax(records: bytes, path: str | None, size: int | None) -> tuple[str | None, int | None]:
-    """Apply the ``path`` and ``size`` records of a PAX extended header; others are ignored."""
-    pos = 0
-    while pos < len(records) and records[pos] != 0:
-        space = records.index(b" ", pos)
-        length = int(records[pos:space])
-        keyword, _, value = records[space + 1 : pos + length - 1].partition(b"=")
-        if keyword == b"path":
-            path = _text(value)
-        elif keyword == b"size":
-            size = int(value)
-        pos += length
-    return path, size
-
-
-def check_checksums(buf: bytes, heads: list[int]) -> None:
-    """Verify the checksums of the headers at ``heads`` (512-byte aligned) in one pass."""
-    if not heads:
-        return
-    bad = _bad_checksums(_blocks(buf).take(np.asarray(heads) >> 9, axis=0))
-    if bad.size:
-        raise TarFormatError(heads[bad[0]], "bad tar header checksum")
-
-
-def _bad_checksums(rows: np.ndarray) -> np.ndarray:
-    """The indices of the header ``rows`` whose checksum is wrong."""
-    field = rows[:, 148:156]
-    computed = rows.sum(1, dtype=np.uint32).astype(np.int64) - field.sum(1, dtype=np.int64) + 256
-    suspects = np.flatnonzero(computed != _octal_columns(field))
-    if not suspects.size:
-        return suspects
-    block = rows[suspects].view(np.int8)  # some writers sum signed bytes
-    signed = block.sum(1, dtype=np.int64) - block[:, 148:156].sum(1, dtype=np.int64) + 8 * 32
-    return suspects[signed != _octal_columns(field[suspects])]
-
-
-def _octal_columns(field: np.ndarray) -> np.ndarray:
-    """Parse an (n, 8) array of octal text fields ("0012345\\0 ", " 12345\\0") at once."""
-    digits = field.astype(np.int64) - 48
-    is_digit = (digits >= 0) & (digits <= 7)
-    # a digit's power of 8 is the number of digits after it (one run of digits per field)
-    power = np.cumsum(is_digit[:, ::-1], axis=1)[:, ::-1] - 1
-    return np.where(is_digit, digits << (3 * np.maximum(power, 0)), 0).sum(1)

@@ -29,14 +29,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nnh_data.shards.tar import (
+from nnh_data.shards.tar import parse_samples
+from nnh_data.shards.tar_members import (
     BLOCK,
     ZERO_BLOCK,
     Parsed,
     TarFormatError,
     header_at,
     header_blocks,
-    parse_samples,
 )
 
 __all__ = ["AFTER_END", "Salvaged", "data_after_end", "salvage_tar"]

@@ -44,7 +44,7 @@ from nnh_data.shards.index import (
     updated_entries,
 )
 from nnh_data.shards.sources import expand_sources
-from nnh_data.shards.tar import BLOCK, split_name
+from nnh_data.shards.tar_members import BLOCK, split_name
 
 __all__ = [
     "count_directory_samples",

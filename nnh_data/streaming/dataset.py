@@ -51,7 +51,7 @@ from nnh_data.order.resume import (
     state_from_loader,
     workers_iterated_error,
 )
-from nnh_data.precompute.table import PrecomputedParams, load_precomputed_params
+from nnh_data.precompute.read import PrecomputedParams, load_precomputed_params
 from nnh_data.seeding import MASK64
 from nnh_data.shards.reading import ShardIndex, build_shard_index
 from nnh_data.shards.sources import is_local

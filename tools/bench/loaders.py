@@ -23,7 +23,7 @@ import torch
 from common import best_rates  # tools/bench/common.py, beside this file
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from nnh_data.loaders.distributed import create_rank_cached_dataloader
+from nnh_data.loaders.rank_cached import create_rank_cached_dataloader
 
 SPIN_S = 50e-6
 BATCH = 64

@@ -23,11 +23,9 @@ import numpy as np
 from common import best_rates, rss_growth  # tools/bench/common.py, beside this file
 
 from nnh_data.augment.params import gen_augmentation_params_batch
-from nnh_data.precompute.table import (
-    PrecomputeSpec,
-    load_precomputed_params,
-    write_precomputed_params,
-)
+from nnh_data.precompute.read import load_precomputed_params
+from nnh_data.precompute.spec import PrecomputeSpec
+from nnh_data.precompute.write import write_precomputed_params
 
 WINDOW = 4096
 
@@ -59,7 +57,7 @@ def write_table(samples: int, root: str) -> str:
     """Code that writes the table of ``samples`` samples under ``root`` (for a fresh process)."""
     return (
         "import tempfile\n"
-        "from nnh_data.precompute.table import PrecomputeSpec, write_precomputed_params\n"
+        "from nnh_data.precompute import PrecomputeSpec, write_precomputed_params\n"
         f"write_precomputed_params(PrecomputeSpec({samples}, 1), tempfile.mkdtemp(dir={root!r}),"
         " progress=False)"
     )

@@ -22,7 +22,7 @@ from nnh_data import (
     get_preset,
 )
 from nnh_data.precompute.cli import main
-from nnh_data.precompute.table import MANIFEST_NAME
+from nnh_data.precompute.spec import MANIFEST_NAME
 
 pytestmark = pytest.mark.timeout(60)
 MILD = get_preset("mild")

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from nnh_data.precompute.cli import main
-from nnh_data.precompute.table import MANIFEST_NAME, verify_precomputed_params
+from nnh_data.precompute.spec import MANIFEST_NAME
+from nnh_data.precompute.verify import verify_precomputed_params
 from tests.support import ROOT
 
 START = ROOT.parent / "shared" / "slurm" / "start-local-slurm.sh"

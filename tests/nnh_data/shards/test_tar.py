@@ -13,12 +13,13 @@ from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expan
 
 from nnh_data.columns import as_list, columns_of
 from nnh_data.shards import tar as tar_format
-from nnh_data.shards.tar import (
+from nnh_data.shards.tar import parse_plain, parse_samples
+from nnh_data.shards.tar_members import (
     BLOCK,
     Parsed,
     TarFormatError,
-    parse_plain,
-    parse_samples,
+    header_at,
+    header_blocks,
     parse_samples_loop,
     split_name,
 )
@@ -382,13 +383,13 @@ def test_a_block_ending_after_an_extended_header_stops_before_it():
 def test_header_at_reads_a_damaged_header_leniently():
     buf = bytearray(tar_bytes([("a.txt", b"1"), ("b.cls", b"22")], format=tarfile.USTAR_FORMAT))
     buf[512 * 2 + 148 : 512 * 2 + 156] = b"7777777\0"  # b.cls: a wrong checksum
-    head = tar_format.header_at(bytes(buf), 1024)
+    head = header_at(bytes(buf), 1024)
     assert (head.path, head.size, head.key) == ("b.cls", 2, "b")
     assert (head.magic, head.valid) == (True, False)
     pax = tar_bytes([("c" * 120 + ".txt", b"3")])
-    head = tar_format.header_at(pax, 0)  # its PAX header applied and stepped over
+    head = header_at(pax, 0)  # its PAX header applied and stepped over
     assert (head.start, head.head, head.path, head.key) == (0, 1024, "c" * 120 + ".txt", "c" * 120)
-    heads, valid = tar_format.header_blocks(bytes(buf))
+    heads, valid = header_blocks(bytes(buf))
     assert heads.tolist() == [0, 2] and valid.tolist() == [True, False]
 
 

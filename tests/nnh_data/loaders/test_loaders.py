@@ -23,7 +23,8 @@ from nnh_data import (
     rank_share,
     write_shards,
 )
-from nnh_data.loaders.distributed import default_num_workers, nbytes
+from nnh_data.loaders.distributed import default_num_workers
+from nnh_data.loaders.rank_cached import nbytes
 from tests.support import run_distributed
 
 N = 23  # not divisible by world size x batch size for 2 or 3 ranks and batches of 4

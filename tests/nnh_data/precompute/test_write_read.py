@@ -1,6 +1,6 @@
-"""nnh_data.precompute.table: values and coverage, lookups, task splits in real ``nnh-precompute``
-processes (one killed and rerun), verify and bad tables. The command itself (its subcommands,
-messages and exit codes): ``test_precompute_cli.py``."""
+"""nnh_data.precompute (spec, write, read, verify): values and coverage, lookups, task splits in
+real ``nnh-precompute`` processes (one killed and rerun), verify and bad tables. The command itself
+(its subcommands, messages and exit codes): ``test_precompute_cli.py``."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ from nnh_data import (
     write_precomputed_params,
 )
 from nnh_data.precompute.cli import main
-from nnh_data.precompute.table import MANIFEST_NAME, ROWS_PER_GROUP, finalize_precomputed_params
+from nnh_data.precompute.spec import MANIFEST_NAME, ROWS_PER_GROUP
+from nnh_data.precompute.write import finalize_precomputed_params
 from nnh_data.seeding import ALGORITHM_VERSION, seed_hex
 
 MILD = get_preset("mild")
