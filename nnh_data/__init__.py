@@ -18,6 +18,7 @@ from nnh_data.augment import (
     stream_distributed_augmentation_chain,
 )
 from nnh_data.cache import CacheEntry, ShardCache
+from nnh_data.errors import NNHError
 from nnh_data.images import SampleDecoder, decode_crop
 from nnh_data.loaders import (
     RankCache,
@@ -58,6 +59,7 @@ from nnh_data.streaming import (
 __all__ = [
     "PADDING_MODES",
     "GEOMETRY_NAMES",
+    "NNHError",
     "PARAM_NAMES",
     "PackedField",
     "AugmentModule",

@@ -22,11 +22,12 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from nnh_data.cache.store import ShardCache, read_schedule
+from nnh_data.errors import ShardError
 from nnh_data.order.epoch import UNEVEN
 from nnh_data.order.ranges import DistributedRangeSplitter
 from nnh_data.precompute.job_array import array_task_info
 from nnh_data.shards.index import ShardIndex, ShardInfo
-from nnh_data.shards.reading import ShardError, build_shard_index
+from nnh_data.shards.reading import build_shard_index
 from nnh_data.shards.sources import expand_sources
 from nnh_data.shards.writer import (
     count_directory_samples,

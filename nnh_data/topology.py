@@ -23,6 +23,7 @@ __all__ = [
     "dist_info",
     "dist_ready",
     "env_int",
+    "group_size",
     "in_worker_process",
     "worker_info",
 ]
@@ -31,6 +32,17 @@ __all__ = [
 def dist_ready() -> bool:
     """True when a default ``torch.distributed`` process group is initialised."""
     return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group: dist.ProcessGroup | None = None) -> int:
+    """The number of processes in ``group`` (the default group when None); 1 outside a process
+    group, so a single process is the group of one and needs no case of its own.
+
+    Example:
+        >>> group_size()  # no process group here
+        1
+    """
+    return dist.get_world_size(group) if dist_ready() else 1
 
 
 def env_int(name: str, *, low: int = 0, env: Mapping[str, str] | None = None) -> int | None:
@@ -102,7 +114,7 @@ def built_on_rank0(build: Callable[[], T]) -> T:
     """``build()`` on rank 0 of the process group, its result sent to every rank; an error
     there is raised on every rank. Every rank must call it (it is one broadcast): the shard
     index of a data set on object storage is then scanned once, not once per rank."""
-    if not dist_ready() or dist.get_world_size() == 1:
+    if group_size() == 1:
         return build()
     box: list = [None]
     if dist.get_rank() == 0:

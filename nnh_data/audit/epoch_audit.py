@@ -35,12 +35,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from nnh_data.audit.id_sketch import IdSketch, SketchDifference, decode, encode
+from nnh_data.errors import ExactlyOnceError
 from nnh_data.loaders.rank_cached import RankCache, RankCachedSampler
 from nnh_data.order.resume import loader_states
 from nnh_data.streaming.dataset import ShardedStreamingDataset, streaming_dataset_of
 from nnh_data.topology import dist_ready
 
-__all__ = ["AuditReport", "EpochAudit", "ExactlyOnceError", "RankAudit"]
+__all__ = ["AuditReport", "EpochAudit", "RankAudit"]
 
 _FLUSH_ROWS = 1 << 16  # ids buffered before they are added to the sketch
 _LABELS = ("__index__", "__pad__", "__source__")  # what the audit reads of a batch
@@ -83,14 +84,6 @@ _BOTH = (
     "seed or dataset than the one audited (set_epoch on the dataset the loader reads), or a "
     "restart resumed from another point than the audit was told"
 )
-
-
-class ExactlyOnceError(RuntimeError):
-    """An epoch's samples were not each consumed exactly once; ``report`` has the numbers."""
-
-    def __init__(self, report: AuditReport) -> None:
-        super().__init__(str(report))
-        self.report = report
 
 
 @dataclass(frozen=True)

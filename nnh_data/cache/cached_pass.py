@@ -21,8 +21,9 @@ import numpy as np
 
 from nnh_data.cache.store import CacheSession, ShardCache
 from nnh_data.columns import Columns
+from nnh_data.errors import ShardError
 from nnh_data.order.blocks import Block
-from nnh_data.shards.index import ShardError, ShardInfo
+from nnh_data.shards.index import ShardInfo
 from nnh_data.shards.reading import ShardReader
 
 __all__ = ["CachedPass"]

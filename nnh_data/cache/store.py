@@ -62,9 +62,11 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from nnh_data.atomic import replace_file
 from nnh_data.checks import check_int
+from nnh_data.errors import ShardError, StaleIndexError
 from nnh_data.order.epoch import EpochOrder, worker_plan
-from nnh_data.shards.index import ShardError, ShardInfo, StaleIndexError
+from nnh_data.shards.index import ShardInfo
 from nnh_data.shards.retries import remote_fs, retrying
 
 __all__ = [
@@ -308,19 +310,6 @@ def _unlink(*paths: str) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
-
-
-def _write_replace(path: str, data: bytes) -> None:
-    """Write ``path`` through a hidden temporary name, so readers never see it partial."""
-    folder, name = os.path.split(path)
-    temporary = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(temporary, "wb") as f:
-            f.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        _unlink(temporary)
-        raise
 
 
 def _locked_file(path: str, data: bytes) -> int:
@@ -766,7 +755,7 @@ class ShardCache:
             return True
         if _file_crc(fd) != meta.get("crc32"):
             return False
-        _write_replace(self._meta_path(key), json.dumps({**meta, "boot_id": _boot_id()}).encode())
+        replace_file(self._meta_path(key), json.dumps({**meta, "boot_id": _boot_id()}).encode())
         return True
 
     def _check_entry(self, key: str, path: str, size: int) -> str | None:
@@ -905,7 +894,7 @@ class ShardCache:
             meta = {"url": info.url, "size": info.size, "version": info.version,
                     "name": _shard_name(info.url), "boot_id": _boot_id(), "crc32": crc}  # fmt: skip
             os.makedirs(os.path.dirname(self._meta_path(key)), exist_ok=True)
-            _write_replace(self._meta_path(key), json.dumps(meta).encode())
+            replace_file(self._meta_path(key), json.dumps(meta).encode())
             with self._node_lock():  # no eviction sees it between the rename and the pin
                 os.rename(part, self._shard_path(key, info.url))
                 fcntl.flock(fd, fcntl.LOCK_SH)

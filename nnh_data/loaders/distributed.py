@@ -10,6 +10,7 @@ and removes the sampler's repeats.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +25,8 @@ from torch.utils.data import (
 
 from nnh_data.topology import dist_info, env_int
 from nnh_data.workers.signals import shielded_worker_init
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "WORKER_KEYS",
@@ -45,7 +48,7 @@ def create_distributed_loader(
     dataset: Dataset,
     loader_kwargs: Mapping[str, Any] | None,
     device: torch.device | str,
-    log_fn: Callable[[str], Any] = print,
+    log_fn: Callable[[str], Any] | None = None,
     is_eval: bool = False,
 ) -> tuple[DataLoader, DistributedSampler]:
     """A ``DataLoader`` over this rank's share of ``dataset``, and its ``DistributedSampler``.
@@ -70,7 +73,7 @@ def create_distributed_loader(
             ``shuffle`` and ``drop_last`` go to the sampler; not ``sampler`` or
             ``batch_sampler``.
         device: where the batches will go; CUDA turns ``pin_memory`` on.
-        log_fn: receives one line saying what was chosen.
+        log_fn: receives one line saying what was chosen (default: this module's logger, INFO).
         is_eval: evaluation order (no shuffle, no drop).
 
     Returns:
@@ -100,7 +103,7 @@ def create_distributed_loader(
     kwargs.setdefault("persistent_workers", kwargs["num_workers"] > 0)
     kwargs["worker_init_fn"] = shielded_worker_init(kwargs.get("worker_init_fn"))
     loader = DataLoader(dataset, sampler=sampler, drop_last=drop_last, **kwargs)
-    log_fn(
+    (log_fn or logger.info)(
         f"distributed loader: rank {rank}/{world_size} reads {len(sampler)} of {len(dataset)} "
         f"samples, shuffle={shuffle}, drop_last={drop_last}, "
         f"batch_size={loader.batch_size}, num_workers={loader.num_workers} ({source}), "

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from nnh_data.seeding import as_sample_ids
-from nnh_data.topology import dist_ready
+from nnh_data.topology import group_size
 
 __all__ = ["gather_for_metrics"]
 
@@ -61,12 +61,12 @@ def gather_for_metrics(
     """
     ids = _checked_ids(indices, values)
     if isinstance(values, torch.Tensor):
-        if dist_ready() and dist.get_world_size() > 1:
+        if group_size() > 1:
             values, ids = _gathered_rows(values, ids)
         keep = torch.as_tensor(_first_of_each(ids), device=values.device)
         return values[keep], torch.as_tensor(ids, device=values.device)[keep]
     values = list(values)
-    if dist_ready() and dist.get_world_size() > 1:
+    if group_size() > 1:
         values, ids = _gathered_objects(values, ids)
     keep = _first_of_each(ids)
     return [values[k] for k in keep], ids[keep].tolist()

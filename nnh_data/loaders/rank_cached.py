@@ -16,6 +16,7 @@ epoch are ``loader.dataset.ids[list(sampler)]``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -39,6 +40,8 @@ from nnh_data.streaming.dataset import ShardedStreamingDataset
 from nnh_data.topology import dist_info
 from nnh_data.workers.signals import shielded_worker_init
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "SPLITS",
     "RankCache",
@@ -58,7 +61,7 @@ def create_rank_cached_dataloader(
     dataset: Dataset | ShardedStreamingDataset,
     loader_kwargs: Mapping[str, Any] | None,
     device: torch.device | str,
-    log_fn: Callable[[str], Any] = print,
+    log_fn: Callable[[str], Any] | None = None,
     is_eval: bool = False,
     *,
     split: str = "contiguous",
@@ -85,7 +88,7 @@ def create_rank_cached_dataloader(
         dataset: a map-style dataset or a ``ShardedStreamingDataset`` without ``batch_size``.
         loader_kwargs: ``DataLoader`` arguments; worker arguments apply to the first pass.
         device: where the batches will go.
-        log_fn: receives one line with the share and its size.
+        log_fn: receives one line with the share and its size (default: the module logger, INFO).
         is_eval: evaluation order (no shuffle, no drop).
         split: ``"contiguous"`` id ranges or ``"interleaved"`` ids (``rank::world_size``).
         uneven: ``"pad"`` (repeat a sample on the shorter ranks) or ``"drop"``.
@@ -137,7 +140,7 @@ def create_rank_cached_dataloader(
         cache, sampler=sampler, drop_last=drop_last, pin_memory=pin, num_workers=0,
         collate_fn=collate_fn or _as_collated, **kwargs,
     )  # fmt: skip
-    log_fn(
+    (log_fn or logger.info)(
         f"rank-cached loader: rank {where[0]}/{where[1]} holds {len(cache)} samples "
         f"({int(pads.sum())} repeats, {split}, uneven={uneven}), {cache.nbytes / 2**20:.1f} MiB "
         f"{f'on {device}' if on_device else 'in host memory'}, shuffle={shuffle}, "

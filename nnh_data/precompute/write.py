@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from nnh_data.atomic import replace_file, temporary_name
 from nnh_data.order.ranges import DistributedRangeSplitter
 from nnh_data.precompute.job_array import array_task_info
 from nnh_data.precompute.spec import (
@@ -99,7 +100,7 @@ def _claim(directory: Path, spec: PrecomputeSpec) -> None:
     (directory / DONE_FOLDER).mkdir(parents=True, exist_ok=True)
     path = directory / SPEC_NAME
     if not path.exists():
-        _replace(path, dumps_json(spec.to_dict()))
+        replace_file(path, dumps_json(spec.to_dict()))
         return
     found = PrecomputeSpec.from_dict(read_json(path), str(path))
     if found != spec:
@@ -110,11 +111,12 @@ def _claim(directory: Path, spec: PrecomputeSpec) -> None:
 
 
 def _remove_temporaries(directory: Path, names: set[str]) -> None:
-    """Remove what killed runs left of files ``names`` and their receipts (see ``_replace``)."""
+    """Remove what killed runs left of files ``names`` and their receipts (their temporary
+    names: :func:`~nnh_data.atomic.temporary_name`)."""
     targets = names | {f"{name}.json" for name in names}
     for folder in (directory, directory / DONE_FOLDER):
         for entry in os.listdir(folder):
-            if entry.endswith(".tmp") and entry[1:].rsplit(".", 2)[0] in targets:
+            if entry.endswith(".tmp") and entry[1:].rsplit(".", 3)[0] in targets:
                 (folder / entry).unlink(missing_ok=True)
 
 
@@ -157,7 +159,7 @@ def _write_file(path: Path, spec: PrecomputeSpec, tables: Iterable[pa.Table]) ->
     """
     keys = [name for name in spec.column_names() if name not in spec.value_columns()]
     options = {"column_encoding": dict.fromkeys(keys, "DELTA_BINARY_PACKED"), **ONE_PAGE_OPTIONS}
-    temporary = _temporary(path)
+    temporary = Path(temporary_name(str(path)))
     with pq.ParquetWriter(temporary, spec.schema(), write_statistics=keys, **options) as writer:
         for table in tables:
             writer.write_table(table, row_group_size=ROWS_PER_GROUP)
@@ -175,24 +177,7 @@ def _commit(directory: Path, spec: PrecomputeSpec, index: int, temporary: Path) 
         "sha256": hashlib.sha256(data).hexdigest(),
     }
     os.replace(temporary, path)
-    _replace(directory / DONE_FOLDER / f"{path.name}.json", dumps_json(receipt))
-
-
-def _temporary(path: Path) -> Path:
-    """A hidden name beside ``path`` for this process: readers skip it, and a killed run's
-    leftovers are removed by the next run (``_remove_temporaries``)."""
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-def _replace(path: Path, data: bytes | pa.Buffer) -> None:
-    """Write ``data`` to a hidden temporary file beside ``path``, then rename it to ``path``.
-
-    A task killed mid-write leaves only a hidden temporary, which readers skip.
-    """
-    temporary = _temporary(path)
-    with open(temporary, "wb") as file:
-        file.write(memoryview(data))
-    os.replace(temporary, path)
+    replace_file(directory / DONE_FOLDER / f"{path.name}.json", dumps_json(receipt))
 
 
 def _receipt_names(directory: Path) -> set[str]:
@@ -238,5 +223,5 @@ def finalize_precomputed_params(directory: str | os.PathLike) -> Path:
     check_files(directory, spec, receipts)
     check_sizes(directory, receipts)
     path = directory / MANIFEST_NAME
-    _replace(path, dumps_json({"table": spec.to_dict(), "files": receipts}))
+    replace_file(path, dumps_json({"table": spec.to_dict(), "files": receipts}))
     return path

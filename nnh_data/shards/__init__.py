@@ -6,8 +6,9 @@ columns, through :mod:`.tar` or :mod:`.parquet`, retrying remote reads (:mod:`.r
 :mod:`.tar_salvage` finds what a damaged tar still holds; :mod:`.writer` writes tar shards.
 """
 
+from nnh_data.errors import ShardError, StaleIndexError
 from nnh_data.shards.index import ShardIndex, ShardInfo, build_shard_index
-from nnh_data.shards.reading import ShardError, StaleIndexError, iter_shard_samples
+from nnh_data.shards.reading import iter_shard_samples
 from nnh_data.shards.sources import expand_sources
 from nnh_data.shards.writer import write_shards
 

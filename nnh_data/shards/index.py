@@ -19,9 +19,9 @@ import functools
 import hashlib
 import itertools
 import json
+import logging
 import os
 import posixpath
-import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +37,9 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from tqdm.auto import tqdm
 
+from nnh_data.atomic import replace_file
 from nnh_data.checks import check_choice
+from nnh_data.errors import ShardError, TarFormatError
 from nnh_data.shards.sources import (
     FORMATS,
     content_format,
@@ -46,14 +48,14 @@ from nnh_data.shards.sources import (
     shard_filesystem,
 )
 from nnh_data.shards.tar import parse_samples
-from nnh_data.shards.tar_members import BLOCK, TarFormatError
+from nnh_data.shards.tar_members import BLOCK
 from nnh_data.shards.tar_salvage import AFTER_END, data_after_end, salvage_tar
 from nnh_data.topology import dist_info
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "INDEX_NAME",
-    "ShardError",
-    "StaleIndexError",
     "build_shard_index",
     "row_group_rows",
     "salvage_shard",
@@ -68,9 +70,7 @@ __all__ = [
     "file_version",
     "load_entries",
     "save_entries",
-    "temporary_path",
     "updated_entries",
-    "write_atomic",
 ]
 
 INDEX_NAME = "nnh-index.json"
@@ -286,23 +286,7 @@ def save_entries(
     """Write the sidecar atomically: to a temporary name first, then renamed."""
     fs, path = url_to_fs(index_path, **(storage_options or {}))
     text = json.dumps({"version": INDEX_VERSION, "shards": entries}, separators=(",", ":"))
-    write_atomic(fs, path, text.encode())
-
-
-def write_atomic(fs: AbstractFileSystem, path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary name, so readers never see a partial file."""
-    temporary = temporary_path(path)
-    folder = posixpath.dirname(path)
-    if folder:
-        fs.makedirs(folder, exist_ok=True)
-    fs.pipe_file(temporary, data)
-    fs.mv(temporary, path)
-
-
-def temporary_path(path: str) -> str:
-    """A unique hidden name next to ``path``, to write to before renaming."""
-    folder, _, name = path.rpartition("/")
-    return posixpath.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
+    replace_file(path, text.encode(), fs=fs)
 
 
 def file_version(item: dict[str, Any]) -> str:
@@ -368,40 +352,6 @@ def _local_stats(paths: Sequence[str]) -> dict[str, tuple[int, str]]:
 
 _SCAN_BLOCK = 1 << 20
 _SCAN_THREADS = 16
-
-
-class ShardError(RuntimeError):
-    """An unreadable shard: ``url`` and ``position`` (e.g. "sample 3, byte 10240") say where."""
-
-    # One-argument construction is kept because DataLoader re-raises a worker's error as
-    # ``type(error)(message)``.
-    def __init__(self, url: str, position: str = "", reason: str = "") -> None:
-        super().__init__(url, position, reason)
-        self.url = url
-        self.position = position
-        self.reason = reason
-
-    def __str__(self) -> str:
-        if not self.reason:
-            return self.url
-        return f"{self.url}: {self.reason} (at {self.position})"
-
-
-class StaleIndexError(ShardError):
-    """The shard's bytes are not what its index entry says: it was rewritten after indexing.
-
-    Never skipped by ``on_error="skip"``: reading on would yield fewer or more samples than the
-    shard holds. Rebuild the index (``nnh-data index --rebuild SOURCE`` or
-    ``build_shard_index(..., rebuild=True)``).
-    """
-
-    def __init__(self, url: str, position: str = "", reason: str = "") -> None:
-        if reason and "rebuild" not in reason:
-            reason += (
-                ": the shard changed since it was indexed; rebuild the index with "
-                "`nnh-data index --rebuild SOURCE` or build_shard_index(..., rebuild=True)"
-            )
-        super().__init__(url, position, reason)
 
 
 def build_shard_index(
@@ -484,11 +434,11 @@ def _save_or_warn(
         )
         return
     if new:
-        warnings.warn(
-            f"wrote the shard index {index_path!r} beside the shards (their sample counts "
-            "and seek positions, reused while they are unchanged); pass index_path= to keep "
-            "it elsewhere, e.g. for a read-only or shared folder",
-            stacklevel=3,
+        logger.info(
+            "wrote the shard index %r beside the shards (their sample counts and seek "
+            "positions, reused while they are unchanged); pass index_path= to keep it "
+            "elsewhere, e.g. for a read-only or shared folder",
+            index_path,
         )
 
 

@@ -29,8 +29,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nnh_data.columns import Column, Columns, one_array
+from nnh_data.errors import ShardError, StaleIndexError
 from nnh_data.packed import as_views
-from nnh_data.shards.index import ShardError, ShardInfo, StaleIndexError, row_group_rows
+from nnh_data.shards.index import ShardInfo, row_group_rows
 from nnh_data.shards.retries import remote_fs
 
 __all__ = ["ParquetReader"]

@@ -27,22 +27,15 @@ from fsspec.implementations.local import LocalFileSystem
 
 from nnh_data.checks import check_int
 from nnh_data.columns import Columns, as_list, columns_of, rows_of
-from nnh_data.shards.index import (
-    ShardError,
-    ShardIndex,
-    ShardInfo,
-    StaleIndexError,
-    build_shard_index,
-)
+from nnh_data.errors import ShardError, StaleIndexError, TarFormatError
+from nnh_data.shards.index import ShardIndex, ShardInfo, build_shard_index
 from nnh_data.shards.parquet import ParquetReader
 from nnh_data.shards.retries import is_transient, remote_fs, retrying
 from nnh_data.shards.sources import expand_sources, is_local
 from nnh_data.shards.tar import parse_samples
-from nnh_data.shards.tar_members import BLOCK, ZERO_BLOCK, Parsed, TarFormatError
+from nnh_data.shards.tar_members import BLOCK, ZERO_BLOCK, Parsed
 
 __all__ = [
-    "ShardError",
-    "StaleIndexError",
     "ShardIndex",
     "ShardInfo",
     "ShardReader",

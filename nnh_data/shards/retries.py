@@ -31,7 +31,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.core import url_to_fs
 from fsspec.utils import get_protocol, tokenize
 
-from nnh_data.shards.index import ShardError, StaleIndexError
+from nnh_data.errors import ShardError, StaleIndexError
 
 __all__ = ["ATTEMPTS", "BACKOFF_S", "is_transient", "remote_fs", "retrying"]
 

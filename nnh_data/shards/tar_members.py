@@ -22,6 +22,8 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from nnh_data.errors import TarFormatError
+
 __all__ = [
     "BLOCK",
     "MAGIC",
@@ -32,7 +34,6 @@ __all__ = [
     "ZERO_BLOCK",
     "Header",
     "Parsed",
-    "TarFormatError",
     "as_blocks",
     "bad_checksums",
     "check_checksums",
@@ -63,18 +64,6 @@ MAGIC_BITS, MAGIC = 0xFFFFFFFFFF << 8, int.from_bytes(b"ustar", "little") << 8
 _META = re.compile(r"__[^/]*__($|/)")
 
 _WDS_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
-
-
-class TarFormatError(ValueError):
-    """A tar archive that cannot be parsed; ``offset`` is the byte position in the parsed block."""
-
-    def __init__(self, offset: int, reason: str) -> None:
-        super().__init__(offset, reason)
-        self.offset = offset
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"{self.reason} at byte {self.offset}"
 
 
 class Parsed(NamedTuple):

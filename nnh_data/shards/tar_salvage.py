@@ -29,15 +29,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from nnh_data.errors import TarFormatError
 from nnh_data.shards.tar import parse_samples
-from nnh_data.shards.tar_members import (
-    BLOCK,
-    ZERO_BLOCK,
-    Parsed,
-    TarFormatError,
-    header_at,
-    header_blocks,
-)
+from nnh_data.shards.tar_members import BLOCK, ZERO_BLOCK, Parsed, header_at, header_blocks
 
 __all__ = ["AFTER_END", "Salvaged", "data_after_end", "salvage_tar"]
 

@@ -31,6 +31,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from webdataset.writer import make_encoder
 
+from nnh_data.atomic import temporary_name
 from nnh_data.checks import check_int
 from nnh_data.shards.index import (
     INDEX_NAME,
@@ -40,7 +41,6 @@ from nnh_data.shards.index import (
     file_version,
     load_entries,
     save_entries,
-    temporary_path,
     updated_entries,
 )
 from nnh_data.shards.sources import expand_sources
@@ -176,7 +176,7 @@ class _ShardFile:
         self.fs = fs
         self.url = url
         self.path = fs._strip_protocol(url)
-        self.temporary = temporary_path(self.path)
+        self.temporary = temporary_name(self.path)
         fs.makedirs(posixpath.dirname(self.path), exist_ok=True)
         self.file = fs.open(self.temporary, "wb")
         self.offsets = [0]

@@ -24,7 +24,8 @@ import torch
 
 from nnh_data.checks import check_choice
 from nnh_data.columns import ARROW, Columns, as_list, concat, num_rows, take
-from nnh_data.shards.index import ShardError, ShardInfo, StaleIndexError
+from nnh_data.errors import ShardError, StaleIndexError
+from nnh_data.shards.index import ShardInfo
 from nnh_data.shards.reading import decode_tar_each
 from nnh_data.streaming.stages import LEFT_OUT, SKIPPED, Rows
 

@@ -22,10 +22,11 @@ import numpy as np
 
 from nnh_data.cache.cached_pass import CachedPass
 from nnh_data.cache.store import ShardCache
+from nnh_data.errors import ShardError
 from nnh_data.order.blocks import Block, pad_plan, read_plan
 from nnh_data.order.epoch import Intervals, coalesce
 from nnh_data.order.mixing import SourceDraws
-from nnh_data.shards.index import ShardError, ShardIndex, ShardInfo
+from nnh_data.shards.index import ShardIndex, ShardInfo
 from nnh_data.shards.reading import (
     ShardReader,
     decode_shard_columns,

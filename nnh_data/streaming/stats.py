@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nnh_data.topology import dist_ready, in_worker_process, worker_info
+from nnh_data.topology import group_size, in_worker_process, worker_info
 
 __all__ = [
     "BYTES",
@@ -206,7 +206,7 @@ def sum_over_ranks(
     """``stats`` (one rank's, from ``ds.stats()``) summed over the ranks of ``group`` in one
     ``all_reduce``; every rank gets the sums. Call it on every rank."""
     names = list(stats)
-    if not dist_ready() or dist.get_world_size(group) == 1:
+    if group_size(group) == 1:
         return dict(stats)
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     values = torch.tensor([float(stats[n]) for n in names], dtype=torch.float64, device=device)

@@ -18,7 +18,8 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader, IterableDataset
 
 from nnh_data import ShardedStreamingDataset, create_rank_cached_dataloader, streaming_loader
-from nnh_data.audit.epoch_audit import EpochAudit, ExactlyOnceError
+from nnh_data.audit.epoch_audit import EpochAudit
+from nnh_data.errors import ExactlyOnceError
 
 BATCH = 16
 

@@ -22,7 +22,8 @@ from nnh_data import (
     state_from_loader,
     streaming_loader,
 )
-from nnh_data.audit.epoch_audit import SECOND_CUT, EpochAudit, ExactlyOnceError
+from nnh_data.audit.epoch_audit import SECOND_CUT, EpochAudit
+from nnh_data.errors import ExactlyOnceError
 from nnh_data.order.resume import loader_states
 from tests.support import run_distributed, simulated
 

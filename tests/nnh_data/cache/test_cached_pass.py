@@ -13,7 +13,8 @@ import pytest
 
 from nnh_data.cache.cached_pass import CachedPass
 from nnh_data.cache.store import ShardCache
-from nnh_data.shards.index import ShardError, ShardInfo
+from nnh_data.errors import ShardError
+from nnh_data.shards.index import ShardInfo
 from nnh_data.shards.reading import ShardReader, decode_shard_range
 from tests.support import numbered_samples, write_tar
 

@@ -37,9 +37,10 @@ from nnh_data.cache.store import (
     shard_key,
 )
 from nnh_data.cli import main
+from nnh_data.errors import ShardError, StaleIndexError
 from nnh_data.order.epoch import EpochOrder, worker_plan
 from nnh_data.shards import retries
-from nnh_data.shards.index import ShardError, ShardInfo, StaleIndexError
+from nnh_data.shards.index import ShardInfo
 from nnh_data.shards.reading import build_shard_index
 from tests.support import ROOT, run_forked, sample_bytes
 

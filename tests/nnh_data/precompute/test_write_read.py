@@ -230,11 +230,11 @@ SPLIT = ["--num-samples", "200000", "--epochs", "2", "--preset", "mild", "--seed
          "--rows-per-file", "50000", "--no-progress"]  # fmt: skip  # 8 files, 2 a task
 
 
-def kill_while_writing(command: list[str], temporary: Callable[[int], Path]) -> None:
-    """Start ``command`` and SIGKILL it once ``temporary(pid)`` (a file being written) exists."""
+def kill_while_writing(command: list[str], temporary: Callable[[int], Path | None]) -> None:
+    """Start ``command`` and SIGKILL it once ``temporary(pid)`` finds a file it is writing."""
     task = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
-    while not temporary(task.pid).exists():
+    while temporary(task.pid) is None:
         assert task.poll() is None, "the task ended before it could be killed mid-run"
         assert time.monotonic() < deadline, "the task never started its last file"
         time.sleep(0.001)
@@ -248,7 +248,8 @@ def test_four_tasks_one_killed_and_rerun_equal_one_task(tmp_path):
     assert main([*SPLIT, "--out", str(one)]) == 0
     task = [*CLI, *SPLIT, "--out", str(four), "--num-tasks", "4", "--task-index"]
     others = [subprocess.Popen([*task, str(i)]) for i in (0, 1, 3)]
-    kill_while_writing([*task, "2"], lambda pid: four / f".part-000005.parquet.{pid}.tmp")
+    writing = lambda pid: next(four.glob(f".part-000005.parquet.{pid}.*.tmp"), None)  # noqa: E731
+    kill_while_writing([*task, "2"], writing)
     assert [p.wait(timeout=120) for p in others] == [0, 0, 0]
     assert not (four / "_done" / "part-000005.parquet.json").exists()
     assert not (four / MANIFEST_NAME).exists()

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import re
 import tarfile
 import warnings
@@ -16,7 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nnh_data import ShardedStreamingDataset
-from nnh_data.shards.index import ShardError, ShardInfo, decode_offsets, encode_offsets
+from nnh_data.errors import ShardError
+from nnh_data.shards.index import ShardInfo, decode_offsets, encode_offsets
 from nnh_data.shards.reading import build_shard_index
 
 
@@ -123,11 +125,12 @@ def test_a_read_only_folder_is_read_with_its_index_in_memory(tar_shards, tmp_pat
     assert sorted(saved) == [f"{folder}/shard-00000{i}.tar" for i in range(2)]
 
 
-def test_writing_the_sidecar_beside_the_shards_is_said_once(tar_shards, tmp_path):
+def test_writing_the_sidecar_beside_the_shards_is_said_once(tar_shards, tmp_path, caplog):
     urls = tar_shards([2, 3])
-    with pytest.warns(UserWarning) as caught:
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, "nnh_data.shards.index"):
+        warnings.simplefilter("error")  # information is logged, not warned
         build_shard_index(urls)
-    assert [str(w.message) for w in caught] == [
+    assert caplog.messages == [
         f"wrote the shard index {str(tmp_path / 'nnh-index.json')!r} beside the shards (their "
         "sample counts and seek positions, reused while they are unchanged); pass index_path= "
         "to keep it elsewhere, e.g. for a read-only or shared folder"

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nnh_data.shards.index import ShardError, StaleIndexError
+from nnh_data.errors import ShardError, StaleIndexError
 from nnh_data.shards.parquet import ParquetReader
 from nnh_data.shards.reading import build_shard_index
 

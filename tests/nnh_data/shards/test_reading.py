@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 
+from nnh_data.errors import ShardError
 from nnh_data.shards import reading as shards
 from nnh_data.shards.reading import (
-    ShardError,
     ShardReader,
     build_shard_index,
     decode_shard_range,

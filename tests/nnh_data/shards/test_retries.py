@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
+from nnh_data.errors import ShardError, StaleIndexError
 from nnh_data.shards import retries
-from nnh_data.shards.index import ShardError, StaleIndexError
 from nnh_data.shards.retries import ATTEMPTS, BACKOFF_S, is_transient, remote_fs, retrying
 
 

@@ -10,12 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nnh_data.shards.reading import (
-    ShardError,
-    build_shard_index,
-    fetch_shard_range,
-    iter_shard_samples,
-)
+from nnh_data.errors import ShardError
+from nnh_data.shards.reading import build_shard_index, fetch_shard_range, iter_shard_samples
 from nnh_data.shards.writer import write_shards
 
 pytestmark = pytest.mark.timeout(120)

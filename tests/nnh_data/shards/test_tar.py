@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
 from nnh_data.columns import as_list, columns_of
+from nnh_data.errors import TarFormatError
 from nnh_data.shards import tar as tar_format
 from nnh_data.shards.tar import parse_plain, parse_samples
 from nnh_data.shards.tar_members import (
     BLOCK,
     Parsed,
-    TarFormatError,
     header_at,
     header_blocks,
     parse_samples_loop,

@@ -18,8 +18,9 @@ import webdataset as wds
 from torch.utils.data import DataLoader
 
 from nnh_data.augment.params import gen_augmentation_params, gen_distributed_augmentation_params
+from nnh_data.errors import ShardError
 from nnh_data.order.mixing import Source
-from nnh_data.shards.reading import ShardError, build_shard_index
+from nnh_data.shards.reading import build_shard_index
 from nnh_data.streaming.dataset import ShardedStreamingDataset
 from nnh_data.topology import dist_info
 from tests.support import simulated, write_tar

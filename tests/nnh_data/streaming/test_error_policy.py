@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nnh_data.columns import as_list
-from nnh_data.shards.index import ShardError, StaleIndexError
+from nnh_data.errors import ShardError, StaleIndexError
 from nnh_data.shards.reading import build_shard_index, fetch_shard_range
 from nnh_data.streaming.error_policy import ErrorPolicy
 from nnh_data.streaming.stages import COLUMNS, LEFT_OUT, SKIPPED, VALUE_COLUMNS

@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from nnh_data import ShardedStreamingDataset, Source, streaming_loader
+from nnh_data.errors import ShardError
 from nnh_data.order.mixing import SourceDraws
 from nnh_data.packed import PackedField
-from nnh_data.shards.index import ShardError
 from nnh_data.shards.reading import ShardReader, build_shard_index
 from nnh_data.streaming import source_reader
 from nnh_data.streaming.error_policy import ErrorPolicy

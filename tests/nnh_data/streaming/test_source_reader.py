@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from nnh_data.columns import as_list
+from nnh_data.errors import ShardError
 from nnh_data.order.mixing import SourceDraws
-from nnh_data.shards.index import ShardError
 from nnh_data.shards.reading import build_shard_index
 from nnh_data.streaming import source_reader
 from nnh_data.streaming.error_policy import ErrorPolicy
