@@ -52,6 +52,14 @@ class ErrorPolicy:
         self._lost = list(lost) if lost is not None else [None] * len(self.urls)
         self._warned: set[str] = set()
 
+    @classmethod
+    def of_shards(
+        cls, on_error: str, shards: Sequence[ShardInfo], counts: torch.Tensor
+    ) -> ErrorPolicy:
+        """The policy over ``shards``, with what their index could not read counted as lost."""
+        lost = [None if info.error is None else info.lost for info in shards]
+        return cls(on_error, [info.url for info in shards], counts, lost)
+
     def counts(self) -> dict[str, int]:
         """Samples lost per shard URL: those skipped while reading plus ``lost[i]``, what the
         index could not read of a damaged shard (None for a whole one). Every damaged shard
