@@ -1,6 +1,7 @@
-"""Map-style datasets across ranks: the distributed and rank-cached loaders
-(:mod:`.distributed`), exact evaluation over ranks (:mod:`.gather`), and the guard that stops a
-framework from splitting an already split dataset again (:mod:`.resplit_guard`)."""
+"""Map-style datasets across ranks: the plain distributed loader (:mod:`.distributed`), the
+rank-cached loader (:mod:`.rank_cached`) and exact evaluation over ranks (:mod:`.gather`). The
+guard that stops a framework from splitting an already split dataset again is the flat
+:mod:`nnh_data.resplit_guard`: the streaming dataset calls it too."""
 
 from nnh_data.loaders.distributed import SharedEpochDataset, create_distributed_loader
 from nnh_data.loaders.gather import gather_for_metrics

@@ -25,7 +25,7 @@ from torch.utils.data import IterableDataset
 
 from nnh_data.augment.params import AugmentationConfig
 from nnh_data.checks import check_choice, check_int
-from nnh_data.loaders.resplit_guard import check_caller
+from nnh_data.resplit_guard import check_caller
 from nnh_data.order.epoch import UNEVEN
 from nnh_data.order.mixing import Source
 from nnh_data.order.resume import (
