@@ -39,30 +39,38 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from itertools import islice, zip_longest
+from itertools import zip_longest
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from nnh_data.checks import check_choice, check_int
 from nnh_data.gather import gather_for_metrics
-from nnh_data.loaders import (
-    RankCache,
-    SharedEpochDataset,
-    create_distributed_loader,
-    create_rank_cached_dataloader,
-)
 from nnh_data.stats import describe as describe_data
 from nnh_data.stats import sum_over_ranks
-from nnh_data.streaming import ShardedStreamingDataset, state_from_loader, streaming_dataset_of
-from nnh_data.streaming_loader import streaming_loader
-from nnh_data.worker_signals import shielded_worker_init
+from nnh_data.streaming import state_from_loader, streaming_dataset_of
+from nnh_train.batches import (
+    Counted,
+    EpochClock,
+    batch_ids,
+    counted,
+    epoch_ids,
+    groups,
+    iterate,
+    loader_length,
+    make_loader,
+    pad_flags,
+    resumed,
+    select_rows,
+    set_epoch,
+    split_batch,
+    to_device,
+)
 from nnh_train.callbacks import Callback, ModelCheckpoint
 from nnh_train.checkpoint import (
     load_checkpoint,
@@ -308,7 +316,8 @@ class NNHandler(OriginalAPI):
         (the original's ``dataloader_type=DataLoaderType.RANK_CACHED`` is ``cache=True``).
         """
         cache = cache_from_loader_type(loader_kwargs, cache)
-        self.train_loader = self._loader(dataset, batch_size, cache, loader_kwargs, is_eval=False)
+        self.train_loader = make_loader(dataset, batch_size, cache, loader_kwargs, is_eval=False,
+                                        device=self.device, log_fn=self._log)  # fmt: skip
 
     def set_val_loader(
         self, dataset: Dataset | DataLoader, batch_size: int | None = None, cache: bool = False,
@@ -316,34 +325,8 @@ class NNHandler(OriginalAPI):
     ) -> None:  # fmt: skip
         """Validate on ``dataset`` (as :meth:`set_train_loader`, in evaluation order)."""
         cache = cache_from_loader_type(loader_kwargs, cache)
-        self.val_loader = self._loader(dataset, batch_size, cache, loader_kwargs, is_eval=True)
-
-    def _loader(
-        self, data: Any, batch_size: int | None, cache: bool, kwargs: dict, is_eval: bool
-    ) -> DataLoader:
-        if isinstance(data, DataLoader):
-            if batch_size is not None or kwargs or cache:
-                raise ValueError("a DataLoader is used as it is: pass no batch_size, cache or "
-                                 "loader arguments with it")  # fmt: skip
-            _warn_epoch_unseen(data)
-            data.worker_init_fn = shielded_worker_init(data.worker_init_fn)
-            return data
-        batch_size = check_int("batch_size", batch_size, low=1)
-        if isinstance(data, ShardedStreamingDataset) and not cache:
-            if "shuffle" in kwargs:
-                raise ValueError("shuffle is the ShardedStreamingDataset's own: set it with "
-                                 "ShardedStreamingDataset(..., shuffle=), not in the loader "
-                                 "arguments")  # fmt: skip
-            return streaming_loader(data, batch_size, **kwargs)
-        if isinstance(data, IterableDataset) and not cache:
-            raise ValueError(
-                "dataset must be map-style, a ShardedStreamingDataset or a DataLoader, got "
-                f"the IterableDataset {type(data).__name__}"
-            )
-        make = create_rank_cached_dataloader if cache else create_distributed_loader
-        loader, _ = make(data, {"batch_size": batch_size, **kwargs}, self.device,
-                         log_fn=self._log, is_eval=is_eval)  # fmt: skip
-        return loader
+        self.val_loader = make_loader(dataset, batch_size, cache, loader_kwargs, is_eval=True,
+                                      device=self.device, log_fn=self._log)  # fmt: skip
 
     # ------------------------------------------------------------------ training
 
@@ -471,14 +454,14 @@ class NNHandler(OriginalAPI):
         self.module.train()
         self._call("on_epoch_begin")
         loader = self.train_loader
-        clock = _Clock(time.perf_counter())
-        _set_epoch(loader, self.epoch)
-        total = _length(loader)
+        clock = EpochClock(time.perf_counter())
+        set_epoch(loader, self.epoch)
+        total = loader_length(loader)
         batches = self._epoch_batches(loader)  # after it, _batches_done is where the rank is
         desc = f"epoch {self.epoch + 1}/{run.epochs}"
         with EpochProgress(desc, total, self._batches_done, run.progress_every,
                            enabled=self.rank == 0) as progress:  # fmt: skip
-            for group in _groups(batches, run.accumulation, clock):
+            for group in groups(batches, run.accumulation, clock):
                 samples = self._train_step(group, run)
                 progress.update(len(group), samples, self.step_loss)
                 if run.max_steps is not None and self.step >= run.max_steps:
@@ -487,7 +470,7 @@ class NNHandler(OriginalAPI):
         self._timing = clock.finish()
         return True
 
-    def _epoch_batches(self, loader: DataLoader) -> Iterator[tuple[Any, int, torch.Tensor | None]]:
+    def _epoch_batches(self, loader: DataLoader) -> Iterator[Counted]:
         """This epoch's batches from where the run stands, as (batch, size, pad mask)."""
         resume, self._resume = self._resume, None
         mid_epoch = resume is not None and self._batches_done > 0
@@ -495,14 +478,14 @@ class NNHandler(OriginalAPI):
             set_rng_state(resume["epoch_rng"] if mid_epoch else resume["rng"])
         self._epoch_rng = rng_state()
         if mid_epoch:
-            batches, self._batches_done = _resumed(loader, resume, self._batches_done)
+            batches, self._batches_done = resumed(loader, resume, self._batches_done)
             set_rng_state(resume["rng"])
         else:
-            batches = _iterate(loader)
+            batches = iterate(loader)
         seen = self._batches_done * (loader.batch_size or 1)
-        return _counted(batches, _pad_flags(loader), seen)
+        return counted(batches, pad_flags(loader), seen)
 
-    def _train_step(self, group: list[tuple[Any, int, torch.Tensor | None]], run: _Run) -> int:
+    def _train_step(self, group: list[Counted], run: _Run) -> int:
         """One optimizer step over ``group``; the real samples it trained on, over all ranks."""
         rows = self._forward_backward(group)()
         self._check_finite(rows)
@@ -513,16 +496,14 @@ class NNHandler(OriginalAPI):
             self._preempt(run, [r for r, row in enumerate(rows) if row[-1]])
         return int(sum(row[-2] for row in rows))
 
-    def _forward_backward(
-        self, group: list[tuple[Any, int, torch.Tensor | None]]
-    ) -> Callable[[], list[list[float]]]:
+    def _forward_backward(self, group: list[Counted]) -> Callable[[], list[list[float]]]:
         """Forward and backward over the group's batches, each weighted by its share of the
         group's samples. The rows (see :meth:`_row`) are exchanged while the last backward
         runs, so the collective's latency hides behind it; the result waits for them."""
         total = sum(size for _, size, _ in group)
         trained, figures, real = [], [], 0
         for i, (batch, size, pads) in enumerate(group):
-            inputs, target = _split(_to_device(batch, self.device))
+            inputs, target = split_batch(to_device(batch, self.device))
             last = i == len(group) - 1
             with nullcontext() if last or not self.distributed else self.model.no_sync():
                 with self._autocast():
@@ -545,7 +526,7 @@ class NNHandler(OriginalAPI):
         """The batch's loss (``value``: float64, shape (1,)) and metrics over its real samples
         (pads left out), as float64."""
         if pads is not None:
-            output, target = _select(_detached(output), ~pads), _select(target, ~pads)
+            output, target = select_rows(_detached(output), ~pads), select_rows(target, ~pads)
             with torch.no_grad(), self._autocast():
                 value = self.loss_fn(output, target).detach().double().reshape(1)
         return torch.cat([value, self._metric_values(output, target)]) if self.metrics else value
@@ -655,14 +636,14 @@ class NNHandler(OriginalAPI):
     def _evaluate(self, loader: DataLoader) -> torch.Tensor:
         """This rank's [loss x count, count, metric x count...] over ``loader``, pads left out."""
         sums = self._zeros(2 + len(self.metrics))
-        _set_epoch(loader, self.epoch)
+        set_epoch(loader, self.epoch)
         with torch.no_grad(), _eval_mode(self.module):
-            for batch, size, pads in _counted(_iterate(loader), _pad_flags(loader), 0):
+            for batch, size, pads in counted(iterate(loader), pad_flags(loader), 0):
                 count = size if pads is None else size - int(pads.sum())
                 if count == 0:
                     continue
-                batch = batch if pads is None else _select(batch, ~pads)
-                inputs, target = _split(_to_device(batch, self.device))
+                batch = batch if pads is None else select_rows(batch, ~pads)
+                inputs, target = split_batch(to_device(batch, self.device))
                 with self._autocast():
                     output = self.module(inputs)
                     loss = self.loss_fn(output, target)
@@ -878,15 +859,16 @@ class NNHandler(OriginalAPI):
             >>> outputs = handler.predict(test_set)  # (len(test_set), ...) on rank 0
         """
         given = isinstance(dataset_or_loader, DataLoader)
-        loader = self._loader(dataset_or_loader, None if given else batch_size, False, {}, True)
-        order, start = _epoch_ids(loader), 0
+        loader = make_loader(dataset_or_loader, None if given else batch_size, False, {},
+                             is_eval=True, device=self.device, log_fn=self._log)  # fmt: skip
+        order, start = epoch_ids(loader), 0
         outputs, ids = [], []
         with torch.no_grad(), _eval_mode(self.module):
-            for batch, size, pads in _counted(_iterate(loader), _pad_flags(loader), 0):
+            for batch, size, pads in counted(iterate(loader), pad_flags(loader), 0):
                 keep = torch.ones(size, dtype=torch.bool) if pads is None else ~pads
-                ids.append(_batch_ids(batch, order, start, size, self.distributed)[keep])
+                ids.append(batch_ids(batch, order, start, size, self.distributed)[keep])
                 start += size
-                inputs, _ = _split(_to_device(_select(batch, keep), self.device))
+                inputs, _ = split_batch(to_device(select_rows(batch, keep), self.device))
                 with self._autocast():
                     outputs.append(self.module(inputs).float())
         values, _ = gather_for_metrics(torch.cat(outputs), torch.cat(ids))
@@ -982,17 +964,6 @@ def _load_new(
     return handler
 
 
-@dataclass
-class _Clock:
-    """Wall time of an epoch and the part of it spent waiting for batches."""
-
-    start: float
-    waited: float = 0.0
-
-    def finish(self) -> tuple[float, float]:
-        return time.perf_counter() - self.start, self.waited
-
-
 def _build_model(model: Any, kwargs: dict[str, Any]) -> nn.Module:
     if isinstance(model, nn.Module):
         if kwargs:
@@ -1023,196 +994,12 @@ def _unused_parameters_named() -> Iterator[None]:
         ) from exc
 
 
-def _warn_epoch_unseen(loader: DataLoader) -> None:
-    """Warn when ``set_epoch`` on the given loader's dataset would not reach its persistent
-    workers (each keeps the copy it started with)."""
-    dataset = loader.dataset
-    shared = streaming_dataset_of(loader) is not None or isinstance(dataset, SharedEpochDataset)
-    if loader.persistent_workers and callable(getattr(dataset, "set_epoch", None)) and not shared:
-        warnings.warn(
-            f"the DataLoader's dataset {type(dataset).__name__} has set_epoch, which the "
-            "handler calls every epoch, but its persistent workers keep the epoch they started "
-            "with: give the dataset itself to set_train_loader, or wrap it: "
-            "DataLoader(SharedEpochDataset(dataset), ...)", RuntimeWarning, stacklevel=4,
-        )  # fmt: skip
-
-
 def _env_flag(name: str) -> bool:
     text = os.environ.get(name, "").strip().lower()
     if text not in _TRUE + _FALSE:
         raise ValueError(f"environment variable {name} must be one of {_TRUE + _FALSE}, "
                          f"got {os.environ[name]!r}")  # fmt: skip
     return text in _TRUE
-
-
-def _groups(batches: Iterator[Any], size: int, clock: _Clock) -> Iterator[list[Any]]:
-    """Lists of ``size`` items of ``batches`` (the last may be shorter), timing the waits."""
-    while True:
-        start = time.perf_counter()
-        group = list(islice(batches, size))
-        clock.waited += time.perf_counter() - start
-        if not group:
-            return
-        yield group
-
-
-def _counted(
-    batches: Iterator[Any], flags: np.ndarray | None, seen: int
-) -> Iterator[tuple[Any, int, torch.Tensor | None]]:
-    """(batch, size, pad mask or None) for each batch; ``flags`` marks pads by position in the
-    rank's epoch order, from ``seen`` on; a batch's own ``__pad__`` wins."""
-    for batch in batches:
-        size = _batch_size(batch)
-        if isinstance(batch, Mapping) and "__pad__" in batch:
-            pads = torch.as_tensor(batch["__pad__"], dtype=torch.bool).reshape(-1)
-        elif flags is not None:
-            pads = torch.as_tensor(flags[seen : seen + size])
-        else:
-            pads = None
-        seen += size
-        yield batch, size, pads if pads is not None and bool(pads.any()) else None
-
-
-def _epoch_ids(loader: DataLoader) -> np.ndarray | None:
-    """The global sample ids of this rank's epoch, in order, when the sampler says them."""
-    sampler = loader.sampler
-    if isinstance(loader.dataset, RankCache):
-        return loader.dataset.ids[np.fromiter(sampler, dtype=np.int64)]
-    if isinstance(sampler, DistributedSampler):
-        return np.fromiter(sampler, dtype=np.int64)
-    return None
-
-
-def _pad_flags(loader: DataLoader) -> np.ndarray | None:
-    """True for the repeats in this rank's epoch order (None when there are none): a
-    ``DistributedSampler`` appends them (positions past the dataset, then split rank::world),
-    the rank cache flags them."""
-    sampler, flags = loader.sampler, None
-    if isinstance(loader.dataset, RankCache):
-        flags = loader.dataset.pads[np.fromiter(sampler, dtype=np.int64)]
-    elif isinstance(sampler, DistributedSampler) and not sampler.drop_last:
-        real = len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
-        flags = np.arange(len(sampler)) >= real
-    return flags if flags is not None and flags.any() else None
-
-
-def _batch_ids(
-    batch: Any, order: np.ndarray | None, start: int, size: int, distributed: bool
-) -> torch.Tensor:
-    """The sample ids of a batch: its ``__index__``, the sampler's, or (one process) its
-    positions in the loader's order."""
-    if isinstance(batch, Mapping) and "__index__" in batch:
-        return torch.as_tensor(batch["__index__"], dtype=torch.int64).reshape(-1)
-    if order is None and not distributed:
-        return torch.arange(start, start + size)
-    if order is None:
-        raise ValueError("predict under DDP needs sample ids: a map-style dataset, a "
-                         "DataLoader over a DistributedSampler, or dict batches with "
-                         "'__index__'")  # fmt: skip
-    return torch.as_tensor(order[start : start + size])
-
-
-def _set_epoch(loader: DataLoader, epoch: int) -> None:
-    """Tell the sampler and the dataset the epoch (each that has ``set_epoch``)."""
-    batch_sampler = getattr(loader.batch_sampler, "sampler", None)
-    for holder in (loader.sampler, batch_sampler, loader.dataset):
-        if hasattr(holder, "set_epoch"):
-            holder.set_epoch(epoch)
-
-
-def _iterate(loader: DataLoader) -> Iterator[Any]:
-    """``iter(loader)``, leaving the global generator as it was when it starts persistent
-    workers. A DataLoader draws its workers' base seed from that generator when it starts
-    them: at the first epoch with persistent workers, at every epoch without. A resumed run
-    starts them at a later epoch, and the draw would shift its random stream (dropout...)."""
-    starts = loader.persistent_workers and loader.num_workers > 0 and loader._iterator is None
-    if not starts:
-        return iter(loader)
-    with torch.random.fork_rng(devices=[]):
-        return iter(loader)
-
-
-def _resumed(loader: DataLoader, resume: dict[str, Any], skip: int) -> tuple[Iterator[Any], int]:
-    """``loader``'s batches from batch ``skip`` of the epoch on, and the batch this rank is at:
-    from the loader's saved state, from a stream state merged over workers (another world
-    size: the rest is split again, so the rank is at its epoch's batches less those left), or
-    by replaying the sampler."""
-    if resume.get("dataset") is not None:
-        epoch_batches = len(loader)
-        loader.dataset.load_state_dict(resume["dataset"])
-        at = epoch_batches - len(loader)  # before iterating: that starts the pass
-        return _iterate(loader), at
-    if resume["loader"] is not None:
-        loader.load_state_dict(resume["loader"])
-        return _iterate(loader), skip
-    if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
-        batches = _iterate(loader)
-        for _ in islice(batches, skip):  # no sampler to replay: read and drop
-            pass
-        return batches, skip
-    # DataLoader draws its worker seed before the sampler draws its order: draw it too, so
-    # a sampler on the global generator (RandomSampler) replays the same order.
-    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
-    rest = list(islice(iter(loader.batch_sampler), skip, None))
-    replay = DataLoader(
-        loader.dataset, batch_sampler=rest, num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn, generator=loader.generator,
-        multiprocessing_context=loader.multiprocessing_context,
-        prefetch_factor=loader.prefetch_factor,
-    )  # fmt: skip
-    return iter(replay), skip
-
-
-def _length(loader: DataLoader) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        return _batch_size(
-            batch["__index__"] if "__index__" in batch else next(iter(batch.values()))
-        )
-    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], (torch.Tensor, Mapping)):
-        return _batch_size(batch[0])
-    if isinstance(batch, (list, tuple, np.ndarray)):
-        return len(batch)
-    raise ValueError(f"cannot tell the batch size of a {type(batch).__name__} batch")
-
-
-def _split(batch: Any) -> tuple[Any, Any]:
-    """(inputs, target): ``(x, y, ...)`` gives ``(x, y)``; anything else is both."""
-    if isinstance(batch, (list, tuple)):
-        return batch[0], batch[1] if len(batch) > 1 else batch[0]
-    return batch, batch
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {key: _to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(value, device) for value in batch)
-    return batch
-
-
-def _select(batch: Any, keep: torch.Tensor) -> Any:
-    """The rows ``keep`` of every tensor and per-sample list of ``batch``."""
-    if isinstance(batch, torch.Tensor):
-        return batch[keep.to(batch.device)]
-    if isinstance(batch, Mapping):
-        return {key: _select(value, keep) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], (torch.Tensor, Mapping)):
-        return type(batch)(_select(value, keep) for value in batch)
-    if isinstance(batch, (list, tuple)):
-        return [value for value, kept in zip(batch, keep.tolist()) if kept]
-    return batch
 
 
 def _weighted(value: torch.Tensor, weight: float) -> torch.Tensor:
@@ -1251,5 +1038,3 @@ def _describe(logs: Mapping[str, Any], epochs: int) -> str:
     speed = logs["samples_per_s"]
     tail = "" if speed is None else f" | {speed:.0f} samples/s, data wait {logs['data_wait']:.0%}"
     return f"epoch {logs['epoch']}/{epochs}: {figures}{tail}"
-
-
