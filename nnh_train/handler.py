@@ -43,7 +43,6 @@ from itertools import zip_longest
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
@@ -104,6 +103,7 @@ from nnh_train.preemption import (
 )
 from nnh_train.progress import EpochProgress
 from nnh_train.run_lock import acquire_run_dirs, release_run_dirs
+from nnh_train.step_agreement import StepRows, gather_rows, rank_row, weighted
 
 __all__ = ["PRECISIONS", "PREEMPTED_EXIT_CODE", "NNHandler"]
 
@@ -487,18 +487,22 @@ class NNHandler(OriginalAPI):
 
     def _train_step(self, group: list[Counted], run: _Run) -> int:
         """One optimizer step over ``group``; the real samples it trained on, over all ranks."""
-        rows = self._forward_backward(group)()
-        self._check_finite(rows)
+        rows = StepRows(self._forward_backward(group)())
+        error = rows.non_finite_error(f"step {self.step} (epoch {self.epoch}, batch "
+                                      f"{self._batches_done})")  # fmt: skip
+        if error is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise error
         self._optimizer_step()
         self._account(rows, len(group))
         self._call("on_batch_end")
-        if any(row[-1] for row in rows):
-            self._preempt(run, [r for r, row in enumerate(rows) if row[-1]])
-        return int(sum(row[-2] for row in rows))
+        if rows.signalled():
+            self._preempt(run, rows.signalled())
+        return rows.samples()
 
     def _forward_backward(self, group: list[Counted]) -> Callable[[], list[list[float]]]:
         """Forward and backward over the group's batches, each weighted by its share of the
-        group's samples. The rows (see :meth:`_row`) are exchanged while the last backward
+        group's samples. The rows (see :func:`rank_row`) are exchanged while the last backward
         runs, so the collective's latency hides behind it; the result waits for them."""
         total = sum(size for _, size, _ in group)
         trained, figures, real = [], [], 0
@@ -510,14 +514,16 @@ class NNHandler(OriginalAPI):
                     output = self._forward(inputs)
                     loss = self.loss_fn(output, target)
                 value = loss.detach().double().reshape(1)
-                trained.append(_weighted(value, size / total))
+                trained.append(weighted(value, size / total))
                 count = size if pads is None else size - int(pads.sum())
                 if count:
                     figures.append((self._figures(value, output, target, pads), count))
                 real += count
                 if last:
-                    rows = self._gather(self._row(trained, figures, real))
-                self._backward(_weighted(loss, size / total))
+                    row = rank_row(trained, figures, real, bool(self._signal),
+                                   1 + len(self.metrics), self.device)  # fmt: skip
+                    rows = gather_rows(row, self.distributed, self.world_size)
+                self._backward(weighted(loss, size / total))
         return rows
 
     def _figures(
@@ -530,19 +536,6 @@ class NNHandler(OriginalAPI):
             with torch.no_grad(), self._autocast():
                 value = self.loss_fn(output, target).detach().double().reshape(1)
         return torch.cat([value, self._metric_values(output, target)]) if self.metrics else value
-
-    def _row(
-        self, trained: list[torch.Tensor], figures: list[tuple[torch.Tensor, int]], real: int
-    ) -> torch.Tensor:
-        """This rank's row: [loss trained on, loss and metrics over the real samples, real
-        sample count, signal flag], float64 on the device, from each batch's weighted loss
-        (``trained``) and its (figures, real count) where it has real samples."""
-        weighted = [_weighted(values, count / real) for values, count in figures]
-        means = sum(weighted[1:], weighted[0]) if weighted else self._zeros(1 + len(self.metrics))
-        tail = torch.tensor(
-            [real, bool(self._signal)], dtype=torch.float64, device=self.device
-        )
-        return torch.cat([sum(trained[1:], trained[0]), means, tail])
 
     def _zeros(self, size: int) -> torch.Tensor:
         return torch.zeros(size, dtype=torch.float64, device=self.device)
@@ -558,31 +551,6 @@ class NNHandler(OriginalAPI):
                       for v in values]  # fmt: skip
         return torch.stack(as_tensors) if as_tensors else self._zeros(0)
 
-    def _gather(self, row: torch.Tensor) -> Callable[[], list[list[float]]]:
-        """Start the step's one collective; the result waits for every rank's ``row``, in rank
-        order (the same list on every rank)."""
-        if not self.distributed:
-            return lambda: [row.tolist()]
-        rows = [torch.empty_like(row) for _ in range(self.world_size)]
-        work = dist.all_gather(rows, row, async_op=True)
-
-        def wait() -> list[list[float]]:
-            work.wait()
-            return torch.stack(rows).tolist()
-
-        return wait
-
-    def _check_finite(self, rows: list[list[float]]) -> None:
-        bad = {rank: row[0] for rank, row in enumerate(rows) if not math.isfinite(row[0])}
-        if bad:
-            self.optimizer.zero_grad(set_to_none=True)
-            values = ", ".join(f"rank {rank}: {value}" for rank, value in bad.items())
-            raise FloatingPointError(
-                f"non-finite loss at step {self.step} (epoch {self.epoch}, batch "
-                f"{self._batches_done}) on rank(s) {sorted(bad)} ({values}); no rank took this "
-                "optimizer step"
-            )
-
     def _optimizer_step(self) -> None:
         if self._scaler is None:
             self.optimizer.step()
@@ -593,12 +561,9 @@ class NNHandler(OriginalAPI):
         if self.scheduler is not None and self.scheduler_interval == "step":
             self.scheduler.step()
 
-    def _account(self, rows: list[list[float]], batches: int) -> None:
+    def _account(self, rows: StepRows, batches: int) -> None:
         """Add the step's rows to the epoch's sums, in rank order (the same on every rank)."""
-        step = [0.0] * (len(rows[0]) - 2)  # loss x count, count, metric x count
-        for _, loss, *metrics, count, _ in rows:
-            for k, value in enumerate([loss * count, count, *(m * count for m in metrics)]):
-                step[k] += value
+        step = rows.sums()
         self._sums = [a + b for a, b in zip_longest(self._sums, step, fillvalue=0.0)]
         self.step_loss = step[0] / step[1] if step[1] else math.nan
         self.step += 1
@@ -625,8 +590,8 @@ class NNHandler(OriginalAPI):
         self._call("on_epoch_end")
 
     def _validate(self) -> None:
-        sums = self._evaluate(self.val_loader)
-        totals = [sum(column) for column in zip(*self._gather(sums)())]
+        rows = gather_rows(self._evaluate(self.val_loader), self.distributed, self.world_size)()
+        totals = [sum(column) for column in zip(*rows)]
         loss, metrics = _means(totals, len(self.metrics))
         self.val_losses.append(loss)
         self.val_epochs.append(self.epoch + 1)
@@ -1000,12 +965,6 @@ def _env_flag(name: str) -> bool:
         raise ValueError(f"environment variable {name} must be one of {_TRUE + _FALSE}, "
                          f"got {os.environ[name]!r}")  # fmt: skip
     return text in _TRUE
-
-
-def _weighted(value: torch.Tensor, weight: float) -> torch.Tensor:
-    """``value * weight``; ``value`` itself for a weight of 1 (a group of one batch), which saves
-    the step an operation, and the backward a node, for nothing."""
-    return value if weight == 1 else value * weight
 
 
 def _detached(output: Any) -> Any:
