@@ -92,6 +92,7 @@ from nnh_train.compat import (
 from nnh_train.dd_helpers import gather_to_rank0
 from nnh_train.ddp_decorators import on_rank
 from nnh_train.ddp_init import get_dist_info, initialize_ddp
+from nnh_train.history import History
 from nnh_train.plots import plot_history
 from nnh_train.preemption import (
     PREEMPTED_EXIT_CODE,
@@ -135,6 +136,13 @@ class _Run:
             check_int("max_steps", self.max_steps, low=0)
         if self.progress_every is not None:
             check_int("progress_every", self.progress_every, low=1)
+
+
+def _recorded(name: str) -> property:
+    """``handler.<name>``: that record of the handler's :class:`~nnh_train.history.History`."""
+    return property(lambda self: getattr(self._history, name),
+                    lambda self, value: setattr(self._history, name, value),
+                    doc=f"The run's ``{name}`` (:class:`~nnh_train.history.History`).")  # fmt: skip
 
 
 class NNHandler(OriginalAPI):
@@ -199,12 +207,7 @@ class NNHandler(OriginalAPI):
         self.callbacks: list[Callback] = []
         self.train_loader: DataLoader | None = None
         self.val_loader: DataLoader | None = None
-        self.train_losses: list[float] = []
-        self.val_losses: list[float] = []
-        self.train_metrics: dict[str, list[float]] = {}
-        self.val_metrics: dict[str, list[float]] = {}
-        self.val_epochs: list[int] = []
-        self.data_waits: list[float | None] = []  # the share of each epoch spent waiting
+        self._history = History()
         self.epoch = self.step = 0
         self.step_loss = math.nan
         self.epoch_logs: dict[str, Any] = {}
@@ -221,6 +224,13 @@ class NNHandler(OriginalAPI):
         self._forward: Callable[..., Any] = self.model
         self._compiled: Callable[..., Any] | None = None
         self._signal = SignalFlag()
+
+    train_losses = _recorded("train_losses")
+    val_losses = _recorded("val_losses")
+    train_metrics = _recorded("train_metrics")
+    val_metrics = _recorded("val_metrics")
+    val_epochs = _recorded("val_epochs")
+    data_waits = _recorded("data_waits")
 
     @property
     def _rank(self) -> int:
@@ -296,7 +306,7 @@ class NNHandler(OriginalAPI):
         if name in self.metrics or not callable(fn):
             raise ValueError(f"metric {name!r} is already added or fn {fn!r} is not callable")
         self.metrics[name] = fn
-        self.train_metrics[name], self.val_metrics[name] = [], []
+        self._history.add_metric(name)
 
     def add_callback(self, callback: Callback) -> None:
         """Call ``callback``'s hooks during :meth:`train` (see :mod:`nnh_train.callbacks`)."""
@@ -571,16 +581,14 @@ class NNHandler(OriginalAPI):
 
     def _end_epoch(self, run: _Run) -> None:
         """Record the epoch, validate, step the scheduler, then call the epoch-end hooks."""
-        loss, metrics = _means(self._sums, len(self.metrics))
-        self.train_losses.append(loss)
-        for name, value in zip(self.metrics, metrics):
-            self.train_metrics[name].append(value)
+        seconds, waited = self._timing
+        share = waited / seconds if seconds > 0 else None  # of the epoch spent waiting
+        self._history.record_epoch(self._sums, self.metrics, share)
         validated = self.val_loader is not None and (self.epoch + 1) % run.validate_every == 0
         if validated:
             self._validate()
         self._step_epoch_scheduler(validated)
         self.epoch_logs = self._logs(validated)
-        self.data_waits.append(self.epoch_logs["data_wait"])
         self.epoch += 1
         self._batches_done, self._sums = 0, []
         self._log(_describe(self.epoch_logs, run.epochs))
@@ -592,11 +600,7 @@ class NNHandler(OriginalAPI):
     def _validate(self) -> None:
         rows = gather_rows(self._evaluate(self.val_loader), self.distributed, self.world_size)()
         totals = [sum(column) for column in zip(*rows)]
-        loss, metrics = _means(totals, len(self.metrics))
-        self.val_losses.append(loss)
-        self.val_epochs.append(self.epoch + 1)
-        for name, value in zip(self.metrics, metrics):
-            self.val_metrics[name].append(value)
+        self._history.record_validation(self.epoch + 1, totals, self.metrics)
 
     def _evaluate(self, loader: DataLoader) -> torch.Tensor:
         """This rank's [loss x count, count, metric x count...] over ``loader``, pads left out."""
@@ -626,14 +630,10 @@ class NNHandler(OriginalAPI):
             self.scheduler.step()
 
     def _logs(self, validated: bool) -> dict[str, Any]:
-        logs: dict[str, Any] = {"epoch": self.epoch + 1, "step": self.step,
-                                "train_loss": self.train_losses[-1]}  # fmt: skip
-        logs.update({f"train_{n}": v[-1] for n, v in self.train_metrics.items()})
-        logs["val_loss"] = self.val_losses[-1] if validated else None
-        logs.update({f"val_{n}": v[-1] if validated else None for n, v in self.val_metrics.items()})
+        logs = {"epoch": self.epoch + 1, "step": self.step, **self._history.latest(validated)}
         seconds, waited = self._timing
         logs["samples_per_s"] = self._sums[1] / seconds if self._sums and seconds > 0 else None
-        logs["data_wait"] = waited / seconds if seconds > 0 else None
+        logs["data_wait"] = self.data_waits[-1]
         dataset = streaming_dataset_of(self.train_loader)
         if dataset is not None:  # one all_reduce: every rank's figures
             wait = 0.0 if math.isnan(waited) else waited
@@ -645,12 +645,7 @@ class NNHandler(OriginalAPI):
     def history(self, name: str) -> list[float]:
         """The recorded values of ``name``: ``train_loss``, ``val_loss``, ``train_<metric>`` or
         ``val_<metric>`` (one per epoch; ``val_*`` one per validation)."""
-        table = {"train_loss": self.train_losses, "val_loss": self.val_losses}
-        table.update({f"train_{n}": v for n, v in self.train_metrics.items()})
-        table.update({f"val_{n}": v for n, v in self.val_metrics.items()})
-        if name not in table:
-            raise ValueError(f"name must be one of {sorted(table)}, got {name!r}")
-        return table[name]
+        return self._history.get(name)
 
     # ------------------------------------------------------------------ preemption
 
@@ -723,14 +718,7 @@ class NNHandler(OriginalAPI):
             "step": self.step,
             "batches_done": self._batches_done,
             "sums": list(self._sums),
-            "history": {
-                "train_losses": self.train_losses,
-                "val_losses": self.val_losses,
-                "train_metrics": self.train_metrics,
-                "val_metrics": self.val_metrics,
-                "val_epochs": self.val_epochs,
-                "data_waits": self.data_waits,
-            },  # fmt: skip
+            "history": self._history.state_dict(),
             "world_size": self.world_size,
             "ranks": shares,
             **self._model_record,
@@ -762,11 +750,7 @@ class NNHandler(OriginalAPI):
             state["batches_done"],
         )
         self._sums = list(state["sums"])
-        history = state["history"]
-        self.train_losses, self.val_losses = history["train_losses"], history["val_losses"]
-        self.train_metrics, self.val_metrics = history["train_metrics"], history["val_metrics"]
-        self.val_epochs = history["val_epochs"]
-        self.data_waits = history.get("data_waits", [None] * len(self.train_losses))
+        self._history.load_state_dict(state["history"])
         self._resume = self._rank_resume(state, os.fspath(path))
 
     def _rank_resume(self, state: dict[str, Any], path: str) -> dict[str, Any]:
@@ -882,11 +866,7 @@ class NNHandler(OriginalAPI):
         """
         path, log_y = plot_request(path, save_path, log_y_scale)
         if self.rank == 0:
-            panels = [("loss", self.train_losses, self.val_losses)]
-            if any(w is not None for w in self.data_waits):  # beside it, the data wait
-                waits = [math.nan if w is None else w for w in self.data_waits]
-                panels.append(("data wait (share of the epoch)", waits, []))
-            plot_history(panels, self.val_epochs, path, log_y)
+            plot_history(self._history.loss_panels(), self.val_epochs, path, log_y)
 
     def plot_metrics(
         self, path: str | os.PathLike | bool | None = None,
@@ -895,10 +875,7 @@ class NNHandler(OriginalAPI):
         """One panel per metric, training and validation per epoch, as :meth:`plot_losses`."""
         path, log_y = plot_request(path, save_path, log_y_scale)
         if self.rank == 0 and self.metrics:
-            panels = [
-                (name, self.train_metrics[name], self.val_metrics[name]) for name in self.metrics
-            ]
-            plot_history(panels, self.val_epochs, path, log_y)
+            plot_history(self._history.metric_panels(self.metrics), self.val_epochs, path, log_y)
 
     # ------------------------------------------------------------------ helpers
 
@@ -969,13 +946,6 @@ def _env_flag(name: str) -> bool:
 
 def _detached(output: Any) -> Any:
     return output.detach() if isinstance(output, torch.Tensor) else output
-
-
-def _means(sums: list[float], metrics: int) -> tuple[float, list[float]]:
-    """(loss, metrics) from [loss x count, count, metric x count...] sums ([] for none)."""
-    loss_sum, count, *rest = sums + [0.0] * (2 + metrics - len(sums))
-    mean = [value / count if count else math.nan for value in (loss_sum, *rest)]
-    return mean[0], mean[1:]
 
 
 @contextmanager
