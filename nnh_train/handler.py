@@ -35,7 +35,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -46,13 +45,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from nnh_data.checks import check_choice, check_int
 from nnh_data.gather import gather_for_metrics
 from nnh_data.stats import describe as describe_data
 from nnh_data.stats import sum_over_ranks
-from nnh_data.streaming import state_from_loader, streaming_dataset_of
+from nnh_data.streaming import streaming_dataset_of
 from nnh_train.batches import (
     Counted,
     EpochClock,
@@ -64,20 +62,13 @@ from nnh_train.batches import (
     loader_length,
     make_loader,
     pad_flags,
-    resumed,
     select_rows,
     set_epoch,
     split_batch,
     to_device,
 )
 from nnh_train.callbacks import Callback, ModelCheckpoint
-from nnh_train.checkpoint import (
-    load_checkpoint,
-    load_model_state,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from nnh_train.checkpoint import load_checkpoint, load_model_state, save_checkpoint
 from nnh_train.compat import (
     ClassOrInstanceMethod,
     OriginalAPI,
@@ -103,13 +94,13 @@ from nnh_train.preemption import (
     requeue,
 )
 from nnh_train.progress import EpochProgress
+from nnh_train.resume_state import ResumeState, checkpoint_state, read_checkpoint
 from nnh_train.run_lock import acquire_run_dirs, release_run_dirs
 from nnh_train.step_agreement import StepRows, gather_rows, rank_row, weighted
 
 __all__ = ["PRECISIONS", "PREEMPTED_EXIT_CODE", "NNHandler"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-CHECKPOINT_VERSION = 1
 _INTERVALS = ("epoch", "step")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -216,9 +207,7 @@ class NNHandler(OriginalAPI):
         self._batches_done = 0
         self._sums: list[float] = []  # the running epoch: loss x count, count, metric x count
         self._timing = (math.nan, math.nan)  # the last epoch's seconds and seconds waiting
-        self._epoch_rng: dict[str, Any] | None = None
-        self._resume: dict[str, Any] | None = None  # this rank's rng and loader state to apply
-        self._pending: dict[str, Any] = {}  # optimizer/scheduler/scaler states awaiting objects
+        self._resume = ResumeState()
         self._scaler: torch.amp.GradScaler | None = None
         self._autocast: Callable[[], Any] = nullcontext
         self._forward: Callable[..., Any] = self.model
@@ -269,7 +258,7 @@ class NNHandler(OriginalAPI):
             >>> handler.set_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
         """
         self.optimizer = optimizer_class(self.module.parameters(), **kwargs)
-        self._apply_pending("optimizer", self.optimizer)
+        self._resume.apply("optimizer", self.optimizer)
 
     def set_scheduler(self, scheduler_class: type, interval: str = "epoch", **kwargs: Any) -> None:
         """Build a learning-rate scheduler on the optimizer, stepped every ``interval``:
@@ -284,7 +273,7 @@ class NNHandler(OriginalAPI):
             raise ValueError("set_scheduler needs an optimizer: call set_optimizer first")
         self.scheduler_interval = check_choice("interval", interval, _INTERVALS)
         self.scheduler = scheduler_class(self.optimizer, **kwargs)
-        self._apply_pending("scheduler", self.scheduler)
+        self._resume.apply("scheduler", self.scheduler)
 
     def set_loss_fn(self, fn: Callable[..., torch.Tensor]) -> None:
         """``fn(output, target) -> scalar tensor``, the mean over the batch."""
@@ -451,7 +440,7 @@ class NNHandler(OriginalAPI):
             self._scaler = None
         elif self._scaler is None:
             self._scaler = torch.amp.GradScaler(device_type)
-            self._apply_pending("scaler", self._scaler)
+            self._resume.apply("scaler", self._scaler)
         if compile and self._compiled is None:
             backend = "inductor" if compile is True else compile
             self._compiled = torch.compile(self.model, backend=backend)
@@ -475,23 +464,14 @@ class NNHandler(OriginalAPI):
                 samples = self._train_step(group, run)
                 progress.update(len(group), samples, self.step_loss)
                 if run.max_steps is not None and self.step >= run.max_steps:
-                    self._resume = self._rank_state()  # a later train() continues from here
+                    self._resume.hold(loader, self._batches_done)  # a later train() goes on
                     return False
         self._timing = clock.finish()
         return True
 
     def _epoch_batches(self, loader: DataLoader) -> Iterator[Counted]:
         """This epoch's batches from where the run stands, as (batch, size, pad mask)."""
-        resume, self._resume = self._resume, None
-        mid_epoch = resume is not None and self._batches_done > 0
-        if resume is not None:
-            set_rng_state(resume["epoch_rng"] if mid_epoch else resume["rng"])
-        self._epoch_rng = rng_state()
-        if mid_epoch:
-            batches, self._batches_done = resumed(loader, resume, self._batches_done)
-            set_rng_state(resume["rng"])
-        else:
-            batches = iterate(loader)
+        batches, self._batches_done = self._resume.epoch_batches(loader, self._batches_done)
         seen = self._batches_done * (loader.batch_size or 1)
         return counted(batches, pad_flags(loader), seen)
 
@@ -686,7 +666,8 @@ class NNHandler(OriginalAPI):
         Example:
             >>> handler.save("runs/exp1/last.pt")
         """
-        shares = gather_to_rank0(self._rank_state()) if self.distributed else [self._rank_state()]
+        share = self._resume.rank_share(self.train_loader, self._batches_done)
+        shares = gather_to_rank0(share) if self.distributed else [share]
 
         def write_checkpoint() -> None:
             save_checkpoint(self._checkpoint(shares), path)
@@ -696,33 +677,16 @@ class NNHandler(OriginalAPI):
         else:
             write_checkpoint()
 
-    def _rank_state(self) -> dict[str, Any]:
-        """What differs between ranks: generator states and the loader's position."""
-        if self._resume is not None:  # loaded, not yet resumed: keep what was loaded
-            return self._resume
-        stateful = self._batches_done and isinstance(self.train_loader, StatefulDataLoader)
-        return {"rng": rng_state(), "epoch_rng": self._epoch_rng or rng_state(),
-                "loader": self.train_loader.state_dict() if stateful else None}  # fmt: skip
-
     def _checkpoint(self, shares: list[dict[str, Any]]) -> dict[str, Any]:
-        def state_of(name: str, live: Any) -> Any:
-            return live.state_dict() if live is not None else self._pending.get(name)
+        position = {"epoch": self.epoch, "step": self.step, "batches_done": self._batches_done,
+                    "sums": list(self._sums)}  # fmt: skip
+        objects = self._resume.object_states(self._objects())
+        return checkpoint_state(self.module, objects, position, self._history.state_dict(),
+                                shares, self.world_size, self._model_record)  # fmt: skip
 
-        return {
-            "version": CHECKPOINT_VERSION,
-            "model": self.module.state_dict(),
-            "optimizer": state_of("optimizer", self.optimizer),
-            "scheduler": state_of("scheduler", self.scheduler),
-            "scaler": state_of("scaler", self._scaler),
-            "epoch": self.epoch,
-            "step": self.step,
-            "batches_done": self._batches_done,
-            "sums": list(self._sums),
-            "history": self._history.state_dict(),
-            "world_size": self.world_size,
-            "ranks": shares,
-            **self._model_record,
-        }
+    def _objects(self) -> dict[str, Any]:
+        """The training objects whose states checkpoints hold (None where not set)."""
+        return {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self._scaler}
 
     def load_state(self, path: str | os.PathLike) -> None:
         """Continue from checkpoint ``path`` (every rank reads it onto its own device).
@@ -733,45 +697,12 @@ class NNHandler(OriginalAPI):
         mid-epoch checkpoint of a streaming dataset resumes with another world size too (the
         rest of the epoch split again); a map-style one needs the same world size.
         """
-        state = load_checkpoint(path)
-        if state.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(
-                f"checkpoint {os.fspath(path)!r} has version {state.get('version')!r}; this "
-                f"nnh reads {CHECKPOINT_VERSION}"
-            )
+        state = read_checkpoint(path)
         load_model_state(self.module, state["model"])
-        self._pending = {k: state[k] for k in ("optimizer", "scheduler", "scaler") if state[k]}
-        for name, live in (("optimizer", self.optimizer), ("scheduler", self.scheduler),
-                           ("scaler", self._scaler)):  # fmt: skip
-            self._apply_pending(name, live)
-        self.epoch, self.step, self._batches_done = (
-            state["epoch"],
-            state["step"],
-            state["batches_done"],
-        )
-        self._sums = list(state["sums"])
+        self._resume.load(state, os.fspath(path), self.rank, self.world_size, self._objects())
+        self.epoch, self.step = state["epoch"], state["step"]
+        self._batches_done, self._sums = state["batches_done"], list(state["sums"])
         self._history.load_state_dict(state["history"])
-        self._resume = self._rank_resume(state, os.fspath(path))
-
-    def _rank_resume(self, state: dict[str, Any], path: str) -> dict[str, Any]:
-        shares = state["ranks"]
-        if state["world_size"] == self.world_size:
-            return shares[self.rank]
-        if self._batches_done and shares[0]["loader"] is None:
-            raise ValueError(
-                f"checkpoint {path!r} was saved mid-epoch with world_size={state['world_size']} "
-                f"and a map-style loader; it resumes only with that world size, not "
-                f"{self.world_size} (a checkpoint from an epoch's end resumes with any)"
-            )
-        warnings.warn(f"checkpoint {path!r} has world_size={state['world_size']}, not "
-                      f"{self.world_size}: random generator states are not restored",
-                      RuntimeWarning, stacklevel=3)  # fmt: skip
-        merged = None if shares[0]["loader"] is None else state_from_loader(shares[0]["loader"])
-        return {"rng": rng_state(), "epoch_rng": rng_state(), "loader": None, "dataset": merged}
-
-    def _apply_pending(self, name: str, live: Any) -> None:
-        if live is not None and name in self._pending:
-            live.load_state_dict(self._pending.pop(name))
 
     @ClassOrInstanceMethod
     def load(self_or_cls, *args: Any, **kwargs: Any) -> NNHandler:  # noqa: N805
