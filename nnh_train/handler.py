@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from nnh_data.checks import check_choice, check_int
@@ -84,6 +83,7 @@ from nnh_train.dd_helpers import gather_to_rank0
 from nnh_train.ddp_decorators import on_rank
 from nnh_train.ddp_init import get_dist_info, initialize_ddp
 from nnh_train.history import History
+from nnh_train.model_setup import build_model, unused_parameters_named, wrap_model
 from nnh_train.plots import plot_history
 from nnh_train.preemption import (
     PREEMPTED_EXIT_CODE,
@@ -102,7 +102,6 @@ __all__ = ["PRECISIONS", "PREEMPTED_EXIT_CODE", "NNHandler"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _INTERVALS = ("epoch", "step")
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -186,9 +185,10 @@ class NNHandler(OriginalAPI):
         options, model_kwargs = OriginalOptions.split(model_kwargs)
         info = initialize_ddp(use_distributed=use_distributed, device=device) or get_dist_info()
         self.distributed, self.rank, self.local_rank, self.world_size, self.device = info
-        self.module = _build_model(model_class_or_instance, model_kwargs).to(self.device)
+        self.module = build_model(model_class_or_instance, model_kwargs).to(self.device)
         self._model_record = model_record(model_class_or_instance, model_kwargs)
-        self.model = self._wrapped(self.module, find_unused_parameters, options.ddp_kwargs)
+        self.model = wrap_model(self.module, self.distributed, self.device,
+                                find_unused_parameters, options.ddp_kwargs)  # fmt: skip
         self.logger = options.logger(self.rank)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
@@ -224,18 +224,6 @@ class NNHandler(OriginalAPI):
     @property
     def _rank(self) -> int:
         return self.rank
-
-    def _wrapped(
-        self, module: nn.Module, find_unused: bool | None, ddp_kwargs: Mapping[str, Any]
-    ) -> nn.Module:
-        if not self.distributed:
-            return module
-        kwargs = {"device_ids": [self.device.index] if self.device.type == "cuda" else None,
-                  "find_unused_parameters": _env_flag("DDP_FIND_UNUSED_PARAMETERS"),
-                  **ddp_kwargs}  # fmt: skip
-        if find_unused is not None:
-            kwargs["find_unused_parameters"] = bool(find_unused)
-        return DistributedDataParallel(module, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward: ``handler(x)`` is ``handler.model(x)``."""
@@ -402,7 +390,7 @@ class NNHandler(OriginalAPI):
             self._run_dirs_locked(),
             self._signals(run.preempt_path),
             reported_interrupt(lambda: self._stopped_at(run)),
-            _unused_parameters_named(),
+            unused_parameters_named(),
         ):
             self._call("on_train_begin")
             while self.epoch < run.epochs and not self.should_stop and self._train_epoch(run):
@@ -835,44 +823,6 @@ def _load_new(
     handler = cls(model_class_or_instance, device, use_distributed, **model_kwargs)
     handler.load_state(path)
     return handler
-
-
-def _build_model(model: Any, kwargs: dict[str, Any]) -> nn.Module:
-    if isinstance(model, nn.Module):
-        if kwargs:
-            raise ValueError(f"model keyword arguments {sorted(kwargs)} given with a built model")
-        return model
-    built = model(**kwargs) if callable(model) else None
-    if not isinstance(built, nn.Module):
-        raise ValueError(
-            f"model_class_or_instance must be an nn.Module or build one, got {model!r}"
-        )
-    return built
-
-
-@contextmanager
-def _unused_parameters_named() -> Iterator[None]:
-    """DDP's error for parameters that got no gradient advises an argument of
-    ``DistributedDataParallel``, which the handler builds: name the handler's switches."""
-    try:
-        yield
-    except RuntimeError as exc:
-        if "find_unused_parameters" not in str(exc):
-            raise
-        raise RuntimeError(
-            "DDP found parameters that took no part in the loss (PyTorch's message below). "
-            "NNHandler builds DistributedDataParallel itself: pass NNHandler(..., "
-            "find_unused_parameters=True) or set DDP_FIND_UNUSED_PARAMETERS=1 (a walk over the "
-            "autograd graph every step), or use or remove those parameters.\n\n" + str(exc)
-        ) from exc
-
-
-def _env_flag(name: str) -> bool:
-    text = os.environ.get(name, "").strip().lower()
-    if text not in _TRUE + _FALSE:
-        raise ValueError(f"environment variable {name} must be one of {_TRUE + _FALSE}, "
-                         f"got {os.environ[name]!r}")  # fmt: skip
-    return text in _TRUE
 
 
 def _detached(output: Any) -> Any:
