@@ -53,15 +53,11 @@ from nnh_data.streaming import streaming_dataset_of
 from nnh_train.batches import (
     Counted,
     EpochClock,
-    batch_ids,
     counted,
-    epoch_ids,
     groups,
-    iterate,
     loader_length,
     make_loader,
     pad_flags,
-    select_rows,
     set_epoch,
     split_batch,
     to_device,
@@ -82,6 +78,7 @@ from nnh_train.compat import (
 from nnh_train.dd_helpers import gather_to_rank0
 from nnh_train.ddp_decorators import on_rank
 from nnh_train.ddp_init import get_dist_info, initialize_ddp
+from nnh_train.evaluation import Scorer, eval_mode, predictions
 from nnh_train.history import History
 from nnh_train.model_setup import build_model, unused_parameters_named, wrap_model
 from nnh_train.plots import plot_history
@@ -483,6 +480,7 @@ class NNHandler(OriginalAPI):
         group's samples. The rows (see :func:`rank_row`) are exchanged while the last backward
         runs, so the collective's latency hides behind it; the result waits for them."""
         total = sum(size for _, size, _ in group)
+        scorer = self._scorer()
         trained, figures, real = [], [], 0
         for i, (batch, size, pads) in enumerate(group):
             inputs, target = split_batch(to_device(batch, self.device))
@@ -495,7 +493,7 @@ class NNHandler(OriginalAPI):
                 trained.append(weighted(value, size / total))
                 count = size if pads is None else size - int(pads.sum())
                 if count:
-                    figures.append((self._figures(value, output, target, pads), count))
+                    figures.append((scorer.figures(value, output, target, pads), count))
                 real += count
                 if last:
                     row = rank_row(trained, figures, real, bool(self._signal),
@@ -504,30 +502,8 @@ class NNHandler(OriginalAPI):
                 self._backward(weighted(loss, size / total))
         return rows
 
-    def _figures(
-        self, value: torch.Tensor, output: Any, target: Any, pads: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The batch's loss (``value``: float64, shape (1,)) and metrics over its real samples
-        (pads left out), as float64."""
-        if pads is not None:
-            output, target = select_rows(_detached(output), ~pads), select_rows(target, ~pads)
-            with torch.no_grad(), self._autocast():
-                value = self.loss_fn(output, target).detach().double().reshape(1)
-        return torch.cat([value, self._metric_values(output, target)]) if self.metrics else value
-
-    def _zeros(self, size: int) -> torch.Tensor:
-        return torch.zeros(size, dtype=torch.float64, device=self.device)
-
     def _backward(self, loss: torch.Tensor) -> None:
         (loss if self._scaler is None else self._scaler.scale(loss)).backward()
-
-    def _metric_values(self, output: Any, target: Any) -> torch.Tensor:
-        """Each metric of the batch as float64 on the device (no sync for tensor results)."""
-        with torch.no_grad():
-            values = [fn(_detached(output), target) for fn in self.metrics.values()]
-        as_tensors = [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(())
-                      for v in values]  # fmt: skip
-        return torch.stack(as_tensors) if as_tensors else self._zeros(0)
 
     def _optimizer_step(self) -> None:
         if self._scaler is None:
@@ -566,28 +542,10 @@ class NNHandler(OriginalAPI):
         self._call("on_epoch_end")
 
     def _validate(self) -> None:
-        rows = gather_rows(self._evaluate(self.val_loader), self.distributed, self.world_size)()
+        sums = self._scorer().loader_sums(self.module, self.val_loader, self.epoch)
+        rows = gather_rows(sums, self.distributed, self.world_size)()
         totals = [sum(column) for column in zip(*rows)]
         self._history.record_validation(self.epoch + 1, totals, self.metrics)
-
-    def _evaluate(self, loader: DataLoader) -> torch.Tensor:
-        """This rank's [loss x count, count, metric x count...] over ``loader``, pads left out."""
-        sums = self._zeros(2 + len(self.metrics))
-        set_epoch(loader, self.epoch)
-        with torch.no_grad(), _eval_mode(self.module):
-            for batch, size, pads in counted(iterate(loader), pad_flags(loader), 0):
-                count = size if pads is None else size - int(pads.sum())
-                if count == 0:
-                    continue
-                batch = batch if pads is None else select_rows(batch, ~pads)
-                inputs, target = split_batch(to_device(batch, self.device))
-                with self._autocast():
-                    output = self.module(inputs)
-                    loss = self.loss_fn(output, target)
-                one = torch.ones((), dtype=torch.float64, device=self.device)
-                head = torch.stack([loss.double(), one])
-                sums += torch.cat([head, self._metric_values(output, target)]) * count
-        return sums
 
     def _step_epoch_scheduler(self, validated: bool) -> None:
         if self.scheduler is None or self.scheduler_interval != "epoch":
@@ -729,17 +687,9 @@ class NNHandler(OriginalAPI):
         given = isinstance(dataset_or_loader, DataLoader)
         loader = make_loader(dataset_or_loader, None if given else batch_size, False, {},
                              is_eval=True, device=self.device, log_fn=self._log)  # fmt: skip
-        order, start = epoch_ids(loader), 0
-        outputs, ids = [], []
-        with torch.no_grad(), _eval_mode(self.module):
-            for batch, size, pads in counted(iterate(loader), pad_flags(loader), 0):
-                keep = torch.ones(size, dtype=torch.bool) if pads is None else ~pads
-                ids.append(batch_ids(batch, order, start, size, self.distributed)[keep])
-                start += size
-                inputs, _ = split_batch(to_device(select_rows(batch, keep), self.device))
-                with self._autocast():
-                    outputs.append(self.module(inputs).float())
-        values, _ = gather_for_metrics(torch.cat(outputs), torch.cat(ids))
+        outputs, ids = predictions(self.module, loader, self.device, self._autocast,
+                                   self.distributed)  # fmt: skip
+        values, _ = gather_for_metrics(outputs, ids)
         return values if self.rank == 0 else None
 
     def sample(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -766,7 +716,7 @@ class NNHandler(OriginalAPI):
 
         @functools.wraps(fn)
         def run() -> Any:
-            with torch.no_grad(), _eval_mode(self.module):
+            with torch.no_grad(), eval_mode(self.module):
                 return fn(self.module, *args, **kwargs)
 
         return on_rank(0)(run)() if self.distributed else run()
@@ -798,6 +748,10 @@ class NNHandler(OriginalAPI):
 
     # ------------------------------------------------------------------ helpers
 
+    def _scorer(self) -> Scorer:
+        """The loss and metrics as set now, at the run's precision."""
+        return Scorer(self.loss_fn, self.metrics, self.device, self._autocast)
+
     def _call(self, hook: str) -> None:
         for callback in self.callbacks:
             getattr(callback, hook)(self)
@@ -823,20 +777,6 @@ def _load_new(
     handler = cls(model_class_or_instance, device, use_distributed, **model_kwargs)
     handler.load_state(path)
     return handler
-
-
-def _detached(output: Any) -> Any:
-    return output.detach() if isinstance(output, torch.Tensor) else output
-
-
-@contextmanager
-def _eval_mode(module: nn.Module) -> Iterator[None]:
-    was_training = module.training
-    module.eval()
-    try:
-        yield
-    finally:
-        module.train(was_training)
 
 
 def _describe(logs: Mapping[str, Any], epochs: int) -> str:
