@@ -36,7 +36,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import zip_longest
 from typing import Any
@@ -59,8 +59,6 @@ from nnh_train.batches import (
     make_loader,
     pad_flags,
     set_epoch,
-    split_batch,
-    to_device,
 )
 from nnh_train.callbacks import Callback, ModelCheckpoint
 from nnh_train.checkpoint import load_checkpoint, load_model_state, save_checkpoint
@@ -93,11 +91,11 @@ from nnh_train.preemption import (
 from nnh_train.progress import EpochProgress
 from nnh_train.resume_state import ResumeState, checkpoint_state, read_checkpoint
 from nnh_train.run_lock import acquire_run_dirs, release_run_dirs
-from nnh_train.step_agreement import StepRows, gather_rows, rank_row, weighted
+from nnh_train.step_agreement import StepRows, gather_rows
+from nnh_train.train_step import PRECISIONS, TrainStep
 
 __all__ = ["PRECISIONS", "PREEMPTED_EXIT_CODE", "NNHandler"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 _INTERVALS = ("epoch", "step")
 
 
@@ -205,10 +203,7 @@ class NNHandler(OriginalAPI):
         self._sums: list[float] = []  # the running epoch: loss x count, count, metric x count
         self._timing = (math.nan, math.nan)  # the last epoch's seconds and seconds waiting
         self._resume = ResumeState()
-        self._scaler: torch.amp.GradScaler | None = None
-        self._autocast: Callable[[], Any] = nullcontext
-        self._forward: Callable[..., Any] = self.model
-        self._compiled: Callable[..., Any] | None = None
+        self._stepper = TrainStep(self.model, self.device, self.distributed, self.world_size)
         self._signal = SignalFlag()
 
     train_losses = _recorded("train_losses")
@@ -379,7 +374,8 @@ class NNHandler(OriginalAPI):
         run = _Run(epochs, validate_every, precision, gradient_accumulation_steps, max_steps,
                    bool(requeue), self._preempt_path(preempt_path), progress_every)  # fmt: skip
         self._check_ready()
-        self._prepare(run, compile)
+        self._stepper.configure(run.precision, compile)
+        self._resume.apply("scaler", self._stepper.scaler)
         if resume is not None:
             self.load_state(resume)
         self.should_stop = False
@@ -414,23 +410,6 @@ class NNHandler(OriginalAPI):
         if missing:
             raise ValueError(f"train needs {', '.join(missing)} to be called first")
 
-    def _prepare(self, run: _Run, compile: bool | str) -> None:
-        dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[run.precision]
-        device_type = self.device.type
-        self._autocast = (
-            nullcontext if dtype is None
-            else functools.partial(torch.autocast, device_type, dtype=dtype)
-        )  # fmt: skip
-        if run.precision != "fp16":
-            self._scaler = None
-        elif self._scaler is None:
-            self._scaler = torch.amp.GradScaler(device_type)
-            self._resume.apply("scaler", self._scaler)
-        if compile and self._compiled is None:
-            backend = "inductor" if compile is True else compile
-            self._compiled = torch.compile(self.model, backend=backend)
-        self._forward = self._compiled if compile else self.model
-
     def _train_epoch(self, run: _Run) -> bool:
         """Run (the rest of) the current epoch; False when ``max_steps`` or a stop ended it."""
         if run.max_steps is not None and self.step >= run.max_steps:
@@ -462,58 +441,19 @@ class NNHandler(OriginalAPI):
 
     def _train_step(self, group: list[Counted], run: _Run) -> int:
         """One optimizer step over ``group``; the real samples it trained on, over all ranks."""
-        rows = StepRows(self._forward_backward(group)())
+        rows = StepRows(self._stepper.forward_backward(group, self._scorer(), self._signal)())
         error = rows.non_finite_error(f"step {self.step} (epoch {self.epoch}, batch "
                                       f"{self._batches_done})")  # fmt: skip
         if error is not None:
             self.optimizer.zero_grad(set_to_none=True)
             raise error
-        self._optimizer_step()
+        step_scheduler = self.scheduler_interval == "step"
+        self._stepper.optimizer_step(self.optimizer, self.scheduler if step_scheduler else None)
         self._account(rows, len(group))
         self._call("on_batch_end")
         if rows.signalled():
             self._preempt(run, rows.signalled())
         return rows.samples()
-
-    def _forward_backward(self, group: list[Counted]) -> Callable[[], list[list[float]]]:
-        """Forward and backward over the group's batches, each weighted by its share of the
-        group's samples. The rows (see :func:`rank_row`) are exchanged while the last backward
-        runs, so the collective's latency hides behind it; the result waits for them."""
-        total = sum(size for _, size, _ in group)
-        scorer = self._scorer()
-        trained, figures, real = [], [], 0
-        for i, (batch, size, pads) in enumerate(group):
-            inputs, target = split_batch(to_device(batch, self.device))
-            last = i == len(group) - 1
-            with nullcontext() if last or not self.distributed else self.model.no_sync():
-                with self._autocast():
-                    output = self._forward(inputs)
-                    loss = self.loss_fn(output, target)
-                value = loss.detach().double().reshape(1)
-                trained.append(weighted(value, size / total))
-                count = size if pads is None else size - int(pads.sum())
-                if count:
-                    figures.append((scorer.figures(value, output, target, pads), count))
-                real += count
-                if last:
-                    row = rank_row(trained, figures, real, bool(self._signal),
-                                   1 + len(self.metrics), self.device)  # fmt: skip
-                    rows = gather_rows(row, self.distributed, self.world_size)
-                self._backward(weighted(loss, size / total))
-        return rows
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        (loss if self._scaler is None else self._scaler.scale(loss)).backward()
-
-    def _optimizer_step(self) -> None:
-        if self._scaler is None:
-            self.optimizer.step()
-        else:
-            self._scaler.step(self.optimizer)
-            self._scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None and self.scheduler_interval == "step":
-            self.scheduler.step()
 
     def _account(self, rows: StepRows, batches: int) -> None:
         """Add the step's rows to the epoch's sums, in rank order (the same on every rank)."""
@@ -632,7 +572,8 @@ class NNHandler(OriginalAPI):
 
     def _objects(self) -> dict[str, Any]:
         """The training objects whose states checkpoints hold (None where not set)."""
-        return {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self._scaler}
+        scaler = self._stepper.scaler
+        return {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": scaler}
 
     def load_state(self, path: str | os.PathLike) -> None:
         """Continue from checkpoint ``path`` (every rank reads it onto its own device).
@@ -687,7 +628,7 @@ class NNHandler(OriginalAPI):
         given = isinstance(dataset_or_loader, DataLoader)
         loader = make_loader(dataset_or_loader, None if given else batch_size, False, {},
                              is_eval=True, device=self.device, log_fn=self._log)  # fmt: skip
-        outputs, ids = predictions(self.module, loader, self.device, self._autocast,
+        outputs, ids = predictions(self.module, loader, self.device, self._stepper.autocast,
                                    self.distributed)  # fmt: skip
         values, _ = gather_for_metrics(outputs, ids)
         return values if self.rank == 0 else None
@@ -750,7 +691,7 @@ class NNHandler(OriginalAPI):
 
     def _scorer(self) -> Scorer:
         """The loss and metrics as set now, at the run's precision."""
-        return Scorer(self.loss_fn, self.metrics, self.device, self._autocast)
+        return Scorer(self.loss_fn, self.metrics, self.device, self._stepper.autocast)
 
     def _call(self, hook: str) -> None:
         for callback in self.callbacks:
