@@ -17,6 +17,7 @@ The trade-off: pads are told by position in the rank's epoch order, which only a
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -35,6 +36,7 @@ from nnh_data.loaders import (
     create_distributed_loader,
     create_rank_cached_dataloader,
 )
+from nnh_data.stats import sum_over_ranks
 from nnh_data.streaming import ShardedStreamingDataset, streaming_dataset_of
 from nnh_data.streaming_loader import streaming_loader
 from nnh_data.worker_signals import shielded_worker_init
@@ -45,6 +47,7 @@ __all__ = [
     "batch_ids",
     "batch_size_of",
     "counted",
+    "data_figures",
     "epoch_ids",
     "groups",
     "iterate",
@@ -244,6 +247,18 @@ def resumed(loader: DataLoader, resume: dict[str, Any], skip: int) -> tuple[Iter
         prefetch_factor=loader.prefetch_factor,
     )  # fmt: skip
     return iter(replay), skip
+
+
+def data_figures(loader: DataLoader, waited: float, distributed: bool) -> dict[str, float]:
+    """The epoch's figures of a streaming dataset (its ``stats()`` and the seconds the loop
+    waited), summed over the ranks in one ``all_reduce`` under DDP (call it on every rank), as
+    ``data_<name>``; {} for other datasets."""
+    dataset = streaming_dataset_of(loader)
+    if dataset is None:
+        return {}
+    data = {**dataset.stats(), "wait_s": 0.0 if math.isnan(waited) else waited}
+    data = sum_over_ranks(data) if distributed else data
+    return {f"data_{name}": value for name, value in data.items()}
 
 
 def loader_length(loader: DataLoader) -> int | None:

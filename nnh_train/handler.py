@@ -35,7 +35,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import zip_longest
@@ -47,13 +47,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from nnh_data.checks import check_choice, check_int
 from nnh_data.gather import gather_for_metrics
-from nnh_data.stats import describe as describe_data
-from nnh_data.stats import sum_over_ranks
-from nnh_data.streaming import streaming_dataset_of
 from nnh_train.batches import (
     Counted,
     EpochClock,
     counted,
+    data_figures,
     groups,
     loader_length,
     make_loader,
@@ -88,9 +86,9 @@ from nnh_train.preemption import (
     reported_interrupt,
     requeue,
 )
-from nnh_train.progress import EpochProgress
+from nnh_train.progress import EpochProgress, epoch_summary
 from nnh_train.resume_state import ResumeState, checkpoint_state, read_checkpoint
-from nnh_train.run_lock import acquire_run_dirs, release_run_dirs
+from nnh_train.run_lock import run_dirs_held
 from nnh_train.step_agreement import StepRows, gather_rows
 from nnh_train.train_step import PRECISIONS, TrainStep
 
@@ -380,7 +378,7 @@ class NNHandler(OriginalAPI):
             self.load_state(resume)
         self.should_stop = False
         with (
-            self._run_dirs_locked(),
+            run_dirs_held([d for c in self.callbacks for d in c.run_dirs()], self.rank),
             self._signals(run.preempt_path),
             reported_interrupt(lambda: self._stopped_at(run)),
             unused_parameters_named(),
@@ -389,19 +387,6 @@ class NNHandler(OriginalAPI):
             while self.epoch < run.epochs and not self.should_stop and self._train_epoch(run):
                 self._end_epoch(run)
             self._call("on_train_end")
-
-    @contextmanager
-    def _run_dirs_locked(self) -> Iterator[None]:
-        """Hold the folders the callbacks write (rank 0 locks them) for the run: a run on a
-        folder that another live run holds is refused, on every rank."""
-        folders = sorted({folder for c in self.callbacks for folder in c.run_dirs()})
-        if folders:
-            on_rank(0)(acquire_run_dirs)(folders)
-        try:
-            yield
-        finally:
-            if folders and self.rank == 0:
-                release_run_dirs(folders)
 
     def _check_ready(self) -> None:
         needed = {"set_optimizer": self.optimizer, "set_loss_fn": self.loss_fn,
@@ -475,10 +460,8 @@ class NNHandler(OriginalAPI):
         self.epoch_logs = self._logs(validated)
         self.epoch += 1
         self._batches_done, self._sums = 0, []
-        self._log(_describe(self.epoch_logs, run.epochs))
-        if "data_samples" in self.epoch_logs:  # a streaming dataset's figures, over all ranks
-            self._log(describe_data({k[5:]: v for k, v in self.epoch_logs.items()
-                                     if k.startswith("data_") and k != "data_wait"}))
+        for line in epoch_summary(self.epoch_logs, run.epochs):
+            self._log(line)
         self._call("on_epoch_end")
 
     def _validate(self) -> None:
@@ -500,12 +483,7 @@ class NNHandler(OriginalAPI):
         seconds, waited = self._timing
         logs["samples_per_s"] = self._sums[1] / seconds if self._sums and seconds > 0 else None
         logs["data_wait"] = self.data_waits[-1]
-        dataset = streaming_dataset_of(self.train_loader)
-        if dataset is not None:  # one all_reduce: every rank's figures
-            wait = 0.0 if math.isnan(waited) else waited
-            data = {**dataset.stats(), "wait_s": wait}
-            data = sum_over_ranks(data) if self.distributed else data
-            logs.update((f"data_{name}", value) for name, value in data.items())
+        logs.update(data_figures(self.train_loader, waited, self.distributed))  # an all_reduce
         return logs
 
     def history(self, name: str) -> list[float]:
@@ -718,14 +696,3 @@ def _load_new(
     handler = cls(model_class_or_instance, device, use_distributed, **model_kwargs)
     handler.load_state(path)
     return handler
-
-
-def _describe(logs: Mapping[str, Any], epochs: int) -> str:
-    figures = ", ".join(
-        f"{name} {value:.4g}" for name, value in logs.items()
-        if value is not None and name not in ("epoch", "step", "samples_per_s", "data_wait")
-        and not name.startswith("data_")
-    )  # fmt: skip
-    speed = logs["samples_per_s"]
-    tail = "" if speed is None else f" | {speed:.0f} samples/s, data wait {logs['data_wait']:.0%}"
-    return f"epoch {logs['epoch']}/{epochs}: {figures}{tail}"

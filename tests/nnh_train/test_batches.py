@@ -8,11 +8,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
+from nnh_data import ShardedStreamingDataset, streaming_loader
 from nnh_train.batches import (
     EpochClock,
     batch_ids,
     batch_size_of,
     counted,
+    data_figures,
     epoch_ids,
     groups,
     loader_length,
@@ -169,3 +171,12 @@ def test_make_loader_errors_name_the_argument(data_, kwargs, error):
     with pytest.raises(ValueError, match=error):
         make_loader(data_, kwargs.pop("batch_size", None), False, kwargs, is_eval=False,
                     device=torch.device("cpu"), log_fn=print)  # fmt: skip
+
+
+def test_data_figures_of_a_stream_and_of_other_loaders(tar_shards):
+    assert data_figures(DataLoader(range(4)), 1.0, False) == {}
+    loader = streaming_loader(ShardedStreamingDataset(tar_shards([7, 9])), 4)
+    assert sum(len(batch["__key__"]) for batch in loader) == 16
+    figures = data_figures(loader, float("nan"), False)  # a wait not measured counts as 0
+    assert figures["data_samples"] == 16 and figures["data_wait_s"] == 0.0
+    assert data_figures(loader, 0.5, False)["data_wait_s"] == 0.5
