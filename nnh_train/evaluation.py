@@ -1,18 +1,19 @@
-"""Scoring the model: a batch's loss and metrics, their sums over a loader, and the model's
-outputs for a dataset.
+"""Scoring the model: a batch's loss and metrics, their sums over a loader, the model's outputs
+for a dataset, and a function of the model run on rank 0.
 
 Design. A :class:`Scorer` is the run's loss function and metrics at its precision; it gives
 every figure as float64 on the device, which the step's row and the validation's sums take
 without waiting for the device. Pads are left out of every figure (a padded batch keeps only its
 real rows), so an epoch's figures equal those of one process over the same data, and predictions
-hold each sample once. Validation (:meth:`Scorer.loader_sums`) and prediction
-(:func:`predictions`) run in eval mode without gradients (:func:`eval_mode` restores the mode
+hold each sample once. Validation (:meth:`Scorer.loader_sums`), prediction (:func:`predictions`)
+and :func:`run_on_rank0` run in eval mode without gradients (:func:`eval_mode` restores the mode
 the model had). The trade-off: metrics are batch means averaged over samples, so a metric that
 is not a mean over samples (AUC, F1) comes out as the sample-weighted mean of its batch values.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -33,8 +34,9 @@ from nnh_train.batches import (
     split_batch,
     to_device,
 )
+from nnh_train.ddp_decorators import on_rank
 
-__all__ = ["Scorer", "eval_mode", "predictions"]
+__all__ = ["Scorer", "eval_mode", "predictions", "run_on_rank0"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,23 @@ def predictions(
             with autocast():
                 outputs.append(module(inputs).float())
     return torch.cat(outputs), torch.cat(ids)
+
+
+def run_on_rank0(
+    module: nn.Module, fn: Callable[..., Any], args: tuple, kwargs: dict, distributed: bool
+) -> Any:
+    """``fn(module, *args, **kwargs)`` on rank 0, in eval mode without gradients; its result
+    on every rank, an error there raised on every rank (call it on every rank)."""
+    if not callable(fn):
+        raise ValueError(f"fn must be a function of the module, got {fn!r} (the original "
+                         "NNHandler's SDE sample(shape, steps) is not in nnh)")  # fmt: skip
+
+    @functools.wraps(fn)
+    def run() -> Any:
+        with torch.no_grad(), eval_mode(module):
+            return fn(module, *args, **kwargs)
+
+    return on_rank(0)(run)() if distributed else run()
 
 
 @contextmanager

@@ -30,7 +30,6 @@ process on the same data.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
@@ -59,14 +58,13 @@ from nnh_train.batches import (
     set_epoch,
 )
 from nnh_train.callbacks import Callback, ModelCheckpoint
-from nnh_train.checkpoint import load_checkpoint, load_model_state, save_checkpoint
+from nnh_train.checkpoint import load_model_state, save_checkpoint
 from nnh_train.compat import (
     ClassOrInstanceMethod,
     OriginalAPI,
     OriginalOptions,
     cache_from_loader_type,
-    is_device,
-    model_from_record,
+    handler_from_checkpoint,
     model_record,
     plot_request,
     train_precision,
@@ -74,7 +72,7 @@ from nnh_train.compat import (
 from nnh_train.dd_helpers import gather_to_rank0
 from nnh_train.ddp_decorators import on_rank
 from nnh_train.ddp_init import get_dist_info, initialize_ddp
-from nnh_train.evaluation import Scorer, eval_mode, predictions
+from nnh_train.evaluation import Scorer, predictions, run_on_rank0
 from nnh_train.history import History
 from nnh_train.model_setup import build_model, unused_parameters_named, wrap_model
 from nnh_train.plots import plot_history
@@ -589,7 +587,7 @@ class NNHandler(OriginalAPI):
         if isinstance(self_or_cls, NNHandler):
             self_or_cls.load_state(*args, **kwargs)
             return self_or_cls
-        return _load_new(self_or_cls, *args, **kwargs)
+        return handler_from_checkpoint(self_or_cls, *args, **kwargs)
 
     # ------------------------------------------------------------------ inference and plots
 
@@ -618,7 +616,7 @@ class NNHandler(OriginalAPI):
         Example:
             >>> images = handler.sample(lambda m, n: m.generate(n), 16)
         """
-        return self._on_rank0(fn, args, kwargs)
+        return run_on_rank0(self.module, fn, args, kwargs, self.distributed)
 
     def log_likelihood(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(module, *args, **kwargs)`` on rank 0, as :meth:`sample`.
@@ -626,19 +624,7 @@ class NNHandler(OriginalAPI):
         Example:
             >>> nll = handler.log_likelihood(lambda m, x: m.log_prob(x).mean(), batch)
         """
-        return self._on_rank0(fn, args, kwargs)
-
-    def _on_rank0(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if not callable(fn):
-            raise ValueError(f"fn must be a function of the module, got {fn!r} (the original "
-                             "NNHandler's SDE sample(shape, steps) is not in nnh)")  # fmt: skip
-
-        @functools.wraps(fn)
-        def run() -> Any:
-            with torch.no_grad(), eval_mode(self.module):
-                return fn(self.module, *args, **kwargs)
-
-        return on_rank(0)(run)() if self.distributed else run()
+        return run_on_rank0(self.module, fn, args, kwargs, self.distributed)
 
     def plot_losses(
         self, path: str | os.PathLike | bool | None = None,
@@ -678,21 +664,3 @@ class NNHandler(OriginalAPI):
     def _log(self, line: str) -> None:
         if self.rank == 0:
             self.log_fn(line)
-
-
-def _load_new(
-    cls: type[NNHandler], path: str | os.PathLike, model_class_or_instance: Any = None,
-    device: torch.device | str | None = None, use_distributed: bool | None = None,
-    **model_kwargs: Any,
-) -> NNHandler:  # fmt: skip
-    """``NNHandler.load``: a handler for the model given, or the one the checkpoint records."""
-    if is_device(model_class_or_instance):
-        if device is not None:
-            raise ValueError(f"device given twice: {model_class_or_instance!r} and {device!r}")
-        model_class_or_instance, device = None, model_class_or_instance
-    if model_class_or_instance is None:
-        recorded, kwargs = model_from_record(load_checkpoint(path), os.fspath(path))
-        model_class_or_instance, model_kwargs = recorded, {**kwargs, **model_kwargs}
-    handler = cls(model_class_or_instance, device, use_distributed, **model_kwargs)
-    handler.load_state(path)
-    return handler

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from nnh_train.evaluation import Scorer, eval_mode, predictions
+from nnh_train.evaluation import Scorer, eval_mode, predictions, run_on_rank0
 from tests.support import Net, data
 
 CPU = torch.device("cpu")
@@ -74,3 +74,12 @@ def test_eval_mode_restores_the_mode_even_after_an_error():
     with eval_mode(model.eval()):
         pass
     assert not model.training
+
+
+def test_run_on_rank0_in_eval_mode_without_gradients():
+    model = nn.Dropout().train()
+    seen = run_on_rank0(model, lambda m, a, b=0: (m.training, torch.is_grad_enabled(), a + b),
+                        (1,), {"b": 2}, distributed=False)  # fmt: skip
+    assert seen == (False, False, 3) and model.training
+    with pytest.raises(ValueError, match=r"fn must be a function of the module, got \(3, 4\)"):
+        run_on_rank0(model, (3, 4), (), {}, distributed=False)
