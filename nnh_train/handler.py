@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import zip_longest
 from typing import Any
 
 import torch
@@ -73,7 +72,7 @@ from nnh_train.dd_helpers import gather_to_rank0
 from nnh_train.ddp_decorators import on_rank
 from nnh_train.ddp_init import get_dist_info, initialize_ddp
 from nnh_train.evaluation import Scorer, predictions, run_on_rank0
-from nnh_train.history import History
+from nnh_train.history import History, RunningEpoch
 from nnh_train.model_setup import build_model, unused_parameters_named, wrap_model
 from nnh_train.plots import plot_history
 from nnh_train.preemption import (
@@ -195,9 +194,7 @@ class NNHandler(OriginalAPI):
         self.epoch_logs: dict[str, Any] = {}
         self.should_stop = False
         self.log_fn: Callable[[str], Any] = print if self.logger is None else self.logger.info
-        self._batches_done = 0
-        self._sums: list[float] = []  # the running epoch: loss x count, count, metric x count
-        self._timing = (math.nan, math.nan)  # the last epoch's seconds and seconds waiting
+        self._running = RunningEpoch()
         self._resume = ResumeState()
         self._stepper = TrainStep(self.model, self.device, self.distributed, self.world_size)
         self._signal = SignalFlag()
@@ -403,61 +400,54 @@ class NNHandler(OriginalAPI):
         clock = EpochClock(time.perf_counter())
         set_epoch(loader, self.epoch)
         total = loader_length(loader)
-        batches = self._epoch_batches(loader)  # after it, _batches_done is where the rank is
+        batches = self._epoch_batches(loader)  # after it, _running.batches is where it is
         desc = f"epoch {self.epoch + 1}/{run.epochs}"
-        with EpochProgress(desc, total, self._batches_done, run.progress_every,
+        with EpochProgress(desc, total, self._running.batches, run.progress_every,
                            enabled=self.rank == 0) as progress:  # fmt: skip
             for group in groups(batches, run.accumulation, clock):
                 samples = self._train_step(group, run)
                 progress.update(len(group), samples, self.step_loss)
                 if run.max_steps is not None and self.step >= run.max_steps:
-                    self._resume.hold(loader, self._batches_done)  # a later train() goes on
+                    self._resume.hold(loader, self._running.batches)  # a later train() goes on
                     return False
-        self._timing = clock.finish()
+        self._running.timing = clock.finish()
         return True
 
     def _epoch_batches(self, loader: DataLoader) -> Iterator[Counted]:
         """This epoch's batches from where the run stands, as (batch, size, pad mask)."""
-        batches, self._batches_done = self._resume.epoch_batches(loader, self._batches_done)
-        seen = self._batches_done * (loader.batch_size or 1)
+        running = self._running
+        batches, running.batches = self._resume.epoch_batches(loader, running.batches)
+        seen = running.batches * (loader.batch_size or 1)
         return counted(batches, pad_flags(loader), seen)
 
     def _train_step(self, group: list[Counted], run: _Run) -> int:
         """One optimizer step over ``group``; the real samples it trained on, over all ranks."""
         rows = StepRows(self._stepper.forward_backward(group, self._scorer(), self._signal)())
         error = rows.non_finite_error(f"step {self.step} (epoch {self.epoch}, batch "
-                                      f"{self._batches_done})")  # fmt: skip
+                                      f"{self._running.batches})")  # fmt: skip
         if error is not None:
             self.optimizer.zero_grad(set_to_none=True)
             raise error
         step_scheduler = self.scheduler_interval == "step"
         self._stepper.optimizer_step(self.optimizer, self.scheduler if step_scheduler else None)
-        self._account(rows, len(group))
+        self.step_loss = self._running.add(rows.sums(), len(group))
+        self.step += 1
         self._call("on_batch_end")
         if rows.signalled():
             self._preempt(run, rows.signalled())
         return rows.samples()
 
-    def _account(self, rows: StepRows, batches: int) -> None:
-        """Add the step's rows to the epoch's sums, in rank order (the same on every rank)."""
-        step = rows.sums()
-        self._sums = [a + b for a, b in zip_longest(self._sums, step, fillvalue=0.0)]
-        self.step_loss = step[0] / step[1] if step[1] else math.nan
-        self.step += 1
-        self._batches_done += batches
-
     def _end_epoch(self, run: _Run) -> None:
         """Record the epoch, validate, step the scheduler, then call the epoch-end hooks."""
-        seconds, waited = self._timing
-        share = waited / seconds if seconds > 0 else None  # of the epoch spent waiting
-        self._history.record_epoch(self._sums, self.metrics, share)
+        running = self._running
+        self._history.record_epoch(running.sums, self.metrics, running.wait_share())
         validated = self.val_loader is not None and (self.epoch + 1) % run.validate_every == 0
         if validated:
             self._validate()
         self._step_epoch_scheduler(validated)
         self.epoch_logs = self._logs(validated)
         self.epoch += 1
-        self._batches_done, self._sums = 0, []
+        self._running.reset()
         for line in epoch_summary(self.epoch_logs, run.epochs):
             self._log(line)
         self._call("on_epoch_end")
@@ -477,12 +467,10 @@ class NNHandler(OriginalAPI):
             self.scheduler.step()
 
     def _logs(self, validated: bool) -> dict[str, Any]:
-        logs = {"epoch": self.epoch + 1, "step": self.step, **self._history.latest(validated)}
-        seconds, waited = self._timing
-        logs["samples_per_s"] = self._sums[1] / seconds if self._sums and seconds > 0 else None
-        logs["data_wait"] = self.data_waits[-1]
-        logs.update(data_figures(self.train_loader, waited, self.distributed))  # an all_reduce
-        return logs
+        logs = {"epoch": self.epoch + 1, "step": self.step, **self._history.latest(validated),
+                "samples_per_s": self._running.samples_per_s(), "data_wait": self.data_waits[-1]}
+        waited = self._running.timing[1]
+        return {**logs, **data_figures(self.train_loader, waited, self.distributed)}  # all_reduce
 
     def history(self, name: str) -> list[float]:
         """The recorded values of ``name``: ``train_loss``, ``val_loss``, ``train_<metric>`` or
@@ -517,7 +505,7 @@ class NNHandler(OriginalAPI):
         path = run.preempt_path
         saved = f"last checkpoint {path}" if path and os.path.exists(path) else "no checkpoint"
         return (f"rank {self.rank}: interrupted at step {self.step} (epoch {self.epoch + 1}, "
-                f"batch {self._batches_done}); {saved}")  # fmt: skip
+                f"batch {self._running.batches}); {saved}")  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -528,7 +516,7 @@ class NNHandler(OriginalAPI):
         Example:
             >>> handler.save("runs/exp1/last.pt")
         """
-        share = self._resume.rank_share(self.train_loader, self._batches_done)
+        share = self._resume.rank_share(self.train_loader, self._running.batches)
         shares = gather_to_rank0(share) if self.distributed else [share]
 
         def write_checkpoint() -> None:
@@ -540,8 +528,7 @@ class NNHandler(OriginalAPI):
             write_checkpoint()
 
     def _checkpoint(self, shares: list[dict[str, Any]]) -> dict[str, Any]:
-        position = {"epoch": self.epoch, "step": self.step, "batches_done": self._batches_done,
-                    "sums": list(self._sums)}  # fmt: skip
+        position = {"epoch": self.epoch, "step": self.step, **self._running.state_dict()}
         objects = self._resume.object_states(self._objects())
         return checkpoint_state(self.module, objects, position, self._history.state_dict(),
                                 shares, self.world_size, self._model_record)  # fmt: skip
@@ -564,7 +551,7 @@ class NNHandler(OriginalAPI):
         load_model_state(self.module, state["model"])
         self._resume.load(state, os.fspath(path), self.rank, self.world_size, self._objects())
         self.epoch, self.step = state["epoch"], state["step"]
-        self._batches_done, self._sums = state["batches_done"], list(state["sums"])
+        self._running.load_state_dict(state)
         self._history.load_state_dict(state["history"])
 
     @ClassOrInstanceMethod

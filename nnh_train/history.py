@@ -1,5 +1,5 @@
 """The history of a run: each epoch's training figures, each validation's, and the share of each
-epoch spent waiting for batches.
+epoch spent waiting for batches; and the epoch in progress.
 
 Design. One :class:`History` holds six parallel records (``train_losses``, ``val_losses``,
 ``train_metrics``, ``val_metrics``, ``val_epochs``, ``data_waits``), filled from sums over real
@@ -10,16 +10,19 @@ decisions callbacks draw from it. Its :meth:`~History.state_dict` is the checkpo
 :meth:`~History.load_state_dict` reads that entry back, also from checkpoints written before
 ``data_waits`` was recorded. The trade-off: records are plain lists of floats (what
 ``torch.load(weights_only=True)`` reads back), not a table, so a record is appended to in as
-many places as it has lists, all of them here.
+many places as it has lists, all of them here. The epoch in progress is a :class:`RunningEpoch`:
+its batches done and its sums, added step by step in rank order, which a mid-epoch checkpoint
+holds (``batches_done``, ``sums``) and which become the epoch's record when it ends.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from itertools import zip_longest
 from typing import Any
 
-__all__ = ["History", "Panel"]
+__all__ = ["History", "Panel", "RunningEpoch"]
 
 Panel = tuple[str, list[float], list[float]]
 """A plot panel: its title, the values per epoch and the values per validation."""
@@ -126,6 +129,57 @@ class History:
         self.train_metrics, self.val_metrics = state["train_metrics"], state["val_metrics"]
         self.val_epochs = state["val_epochs"]
         self.data_waits = state.get("data_waits", [None] * len(self.train_losses))
+
+
+class RunningEpoch:
+    """The epoch in progress, and the timing of the last epoch whose batches all ran.
+
+    Attributes:
+        batches: the batches done in the epoch (on this rank).
+        sums: [loss x count, count, metric x count...] over the real samples of every rank so
+            far (``[]`` before the first step).
+        timing: (seconds, seconds waiting for batches) of the last epoch run to its end (NaN
+            before one).
+
+    Example:
+        >>> epoch = RunningEpoch()
+        >>> epoch.add([6.0, 3.0], batches=2), epoch.add([2.0, 1.0], batches=2), epoch.sums
+        (2.0, 2.0, [8.0, 4.0])
+    """
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.sums: list[float] = []
+        self.timing = (math.nan, math.nan)
+
+    def add(self, step: list[float], batches: int) -> float:
+        """Add a step of ``batches`` batches and sums ``step``; the step's loss (NaN: no real
+        sample)."""
+        self.sums = [a + b for a, b in zip_longest(self.sums, step, fillvalue=0.0)]
+        self.batches += batches
+        return step[0] / step[1] if step[1] else math.nan
+
+    def wait_share(self) -> float | None:
+        """The share of the timed epoch spent waiting for batches (None: not timed)."""
+        seconds, waited = self.timing
+        return waited / seconds if seconds > 0 else None
+
+    def samples_per_s(self) -> float | None:
+        """The epoch's real samples (all ranks) per second of the timed epoch."""
+        seconds, _ = self.timing
+        return self.sums[1] / seconds if self.sums and seconds > 0 else None
+
+    def reset(self) -> None:
+        """Start the next epoch."""
+        self.batches, self.sums = 0, []
+
+    def state_dict(self) -> dict[str, Any]:
+        """``batches_done`` and ``sums``, as a checkpoint holds them."""
+        return {"batches_done": self.batches, "sums": list(self.sums)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a checkpoint's ``batches_done`` and ``sums``."""
+        self.batches, self.sums = state["batches_done"], list(state["sums"])
 
 
 def _means(sums: list[float], metrics: Iterable[str]) -> tuple[float, dict[str, float]]:

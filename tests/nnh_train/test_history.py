@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nnh_train.checkpoint import load_checkpoint, save_checkpoint
-from nnh_train.history import History
+from nnh_train.history import History, RunningEpoch
 
 V1_KEYS = ["train_losses", "val_losses", "train_metrics", "val_metrics", "val_epochs", "data_waits"]
 
@@ -99,3 +99,19 @@ def test_a_history_without_data_waits_gets_none_per_epoch():
     h = History()
     h.load_state_dict({k: v for k, v in V1.items() if k != "data_waits"})
     assert h.data_waits == [None, None, None]
+
+
+def test_the_running_epoch_adds_steps_and_checkpoints_as_version_1():
+    epoch = RunningEpoch()
+    assert epoch.samples_per_s() is None and epoch.wait_share() is None  # not timed yet
+    assert epoch.add([4.0, 2.0, 1.0], batches=2) == 2.0
+    assert math.isnan(epoch.add([0.0, 0.0, 0.0], batches=1))  # a step of pads only
+    epoch.timing = (2.0, 0.5)
+    assert (epoch.batches, epoch.sums) == (3, [4.0, 2.0, 1.0])
+    assert (epoch.samples_per_s(), epoch.wait_share()) == (1.0, 0.25)
+    state = epoch.state_dict()
+    assert state == {"batches_done": 3, "sums": [4.0, 2.0, 1.0]}
+    epoch.reset()
+    assert (epoch.batches, epoch.sums, epoch.timing) == (0, [], (2.0, 0.5))
+    epoch.load_state_dict({**state, "epoch": 4})  # read from a whole checkpoint
+    assert (epoch.batches, epoch.sums) == (3, [4.0, 2.0, 1.0])
