@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,14 +73,7 @@ from nnh_train.evaluation import Scorer, predictions, run_on_rank0
 from nnh_train.history import History, RunningEpoch
 from nnh_train.model_setup import build_model, unused_parameters_named, wrap_model
 from nnh_train.plots import plot_history
-from nnh_train.preemption import (
-    PREEMPTED_EXIT_CODE,
-    SignalFlag,
-    catch_signals,
-    exit_preempted,
-    reported_interrupt,
-    requeue,
-)
+from nnh_train.preemption import PREEMPTED_EXIT_CODE, Preemption, reported_interrupt
 from nnh_train.progress import EpochProgress, epoch_summary
 from nnh_train.resume_state import ResumeState, checkpoint_state, read_checkpoint
 from nnh_train.run_lock import run_dirs_held
@@ -103,8 +94,7 @@ class _Run:
     precision: str
     accumulation: int
     max_steps: int | None
-    requeue: bool
-    preempt_path: str | None
+    preemption: Preemption
     progress_every: int | None
 
     def __post_init__(self) -> None:
@@ -197,7 +187,6 @@ class NNHandler(OriginalAPI):
         self._running = RunningEpoch()
         self._resume = ResumeState()
         self._stepper = TrainStep(self.model, self.device, self.distributed, self.world_size)
-        self._signal = SignalFlag()
 
     train_losses = _recorded("train_losses")
     val_losses = _recorded("val_losses")
@@ -364,8 +353,9 @@ class NNHandler(OriginalAPI):
                                  "train(False) without other arguments set the model's mode")
             return self.eval(epochs is False)
         precision = train_precision(original_options, precision, self.device)
+        preemption = Preemption(self._preempt_path(preempt_path), bool(requeue))
         run = _Run(epochs, validate_every, precision, gradient_accumulation_steps, max_steps,
-                   bool(requeue), self._preempt_path(preempt_path), progress_every)  # fmt: skip
+                   preemption, progress_every)  # fmt: skip
         self._check_ready()
         self._stepper.configure(run.precision, compile)
         self._resume.apply("scaler", self._stepper.scaler)
@@ -374,8 +364,9 @@ class NNHandler(OriginalAPI):
         self.should_stop = False
         with (
             run_dirs_held([d for c in self.callbacks for d in c.run_dirs()], self.rank),
-            self._signals(run.preempt_path),
-            reported_interrupt(lambda: self._stopped_at(run)),
+            preemption.signals_caught(),
+            reported_interrupt(lambda: preemption.interrupted(self.rank, self.step, self.epoch,
+                                                              self._running.batches)),
             unused_parameters_named(),
         ):
             self._call("on_train_begin")
@@ -422,7 +413,8 @@ class NNHandler(OriginalAPI):
 
     def _train_step(self, group: list[Counted], run: _Run) -> int:
         """One optimizer step over ``group``; the real samples it trained on, over all ranks."""
-        rows = StepRows(self._stepper.forward_backward(group, self._scorer(), self._signal)())
+        flag = run.preemption.flag
+        rows = StepRows(self._stepper.forward_backward(group, self._scorer(), flag)())
         error = rows.non_finite_error(f"step {self.step} (epoch {self.epoch}, batch "
                                       f"{self._running.batches})")  # fmt: skip
         if error is not None:
@@ -434,7 +426,7 @@ class NNHandler(OriginalAPI):
         self.step += 1
         self._call("on_batch_end")
         if rows.signalled():
-            self._preempt(run, rows.signalled())
+            run.preemption.stop(self.rank, self.step, rows.signalled(), self.save)
         return rows.samples()
 
     def _end_epoch(self, run: _Run) -> None:
@@ -484,28 +476,6 @@ class NNHandler(OriginalAPI):
             return os.fspath(path)
         saver = next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
         return None if saver is None else saver.last_path
-
-    @contextmanager
-    def _signals(self, path: str | None) -> Iterator[None]:
-        """SIGUSR1 and SIGTERM only set a flag while ``path`` is where to save them."""
-        with catch_signals(enabled=path is not None) as self._signal:
-            yield
-
-    def _preempt(self, run: _Run, ranks: list[int]) -> None:
-        print(f"rank {self.rank}: signal received on rank(s) {ranks}; saving "
-              f"{run.preempt_path} at step {self.step} and exiting with code "
-              f"{PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)  # fmt: skip
-        self.save(run.preempt_path)
-        if run.requeue and self.rank == 0:
-            requeue()
-        exit_preempted(self.rank)
-
-    def _stopped_at(self, run: _Run) -> str:
-        """Where a Ctrl-C stopped this rank, and the checkpoint that a run resumes from."""
-        path = run.preempt_path
-        saved = f"last checkpoint {path}" if path and os.path.exists(path) else "no checkpoint"
-        return (f"rank {self.rank}: interrupted at step {self.step} (epoch {self.epoch + 1}, "
-                f"batch {self._running.batches}); {saved}")  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
 
