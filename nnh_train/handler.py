@@ -1,24 +1,32 @@
 """``NNHandler``: a small DDP training loop that keeps ranks in step and resumes exactly.
 
-Design. Each optimizer step has one collective: an ``all_gather`` of a short row per rank (the
-loss trained on, the step's sample count without pads, the loss and metrics over those samples,
-and a "signal received" flag), started before the last backward and waited for before the
-optimizer step, so that its latency overlaps the backward. From the same gathered rows every rank
-decides the same things the same way: a non-finite loss on any rank stops every rank before the
-optimizer step, with an error naming the ranks, the step and the values; a SIGUSR1/SIGTERM on any
-rank (the signal handler only sets a flag) makes every rank save the same checkpoint at the same
-step and exit with :data:`PREEMPTED_EXIT_CODE`; and the history is summed in rank order from
-those rows, so it is identical on every rank, and so are the callbacks' decisions that read it.
-The cost is that one small collective per step (measured against a bare loop in
-``tools/bench/trainer.py``); a NaN check or a preemption flag that ranks must agree on cannot be
-had for less.
+Design. The handler is the loop and the user's API, built from parts that each own their state,
+as torchtitan's trainer is: :class:`~nnh_train.train_step.TrainStep` (a step's forward and
+backward, its precision, GradScaler and compiled forward), :class:`~nnh_train.history.History`
+and :class:`~nnh_train.history.RunningEpoch` (the epochs done and the one in progress),
+:class:`~nnh_train.resume_state.ResumeState` (what a checkpoint hands back to this rank) and, for
+a ``train`` call, :class:`~nnh_train.preemption.Preemption`; loaders and batches go through
+:mod:`~nnh_train.batches`, losses and metrics through :mod:`~nnh_train.evaluation`. Each
+optimizer step has one collective (:mod:`~nnh_train.step_agreement`): an ``all_gather`` of a
+short row per rank (the loss trained on, the step's sample count without pads, the loss and
+metrics over those samples, and a "signal received" flag), started before the last backward and
+waited for before the optimizer step, so that its latency overlaps the backward. From the same
+gathered rows every rank decides the same things the same way: a non-finite loss on any rank
+stops every rank before the optimizer step, with an error naming the ranks, the step and the
+values; a SIGUSR1/SIGTERM on any rank (the signal handler only sets a flag) makes every rank save
+the same checkpoint at the same step and exit with :data:`PREEMPTED_EXIT_CODE`; and the history
+is summed in rank order from those rows, so it is identical on every rank, and so are the
+callbacks' decisions that read it. The cost is that one small collective per step (measured
+against a bare loop in ``tools/bench/trainer.py``); a NaN check or a preemption flag that ranks
+must agree on cannot be had for less.
 
 Resume. A checkpoint holds the unwrapped model, optimizer, scheduler, scaler, the position (epoch,
 batches done in it, optimizer steps), the epoch's partial sums, the history, and per rank the
 random generator states (at the step and at the epoch's start, when the loader drew its order) and
 the loader's state: ``StatefulDataLoader.state_dict()`` for streaming datasets, else the epoch
 and batch count, resumed by replaying the sampler's indices without reading the skipped samples.
-With the same world size the rest of the run is bitwise the same on CPU.
+With the same world size the rest of the run is bitwise the same on CPU
+(:mod:`~nnh_train.resume_state` assembles and hands back the checkpoint).
 
 Batches. ``(inputs, target, ...)`` sequences call ``model(inputs)`` and ``loss_fn(output,
 target)``; dicts (streaming samples) and single tensors are passed whole to both. Samples flagged
@@ -381,6 +389,13 @@ class NNHandler(OriginalAPI):
         if missing:
             raise ValueError(f"train needs {', '.join(missing)} to be called first")
 
+    def _preempt_path(self, path: str | os.PathLike | None) -> str | None:
+        """Where a preemption signal saves: ``path``, else the first ModelCheckpoint's last."""
+        if path is not None:
+            return os.fspath(path)
+        saver = next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
+        return None if saver is None else saver.last_path
+
     def _train_epoch(self, run: _Run) -> bool:
         """Run (the rest of) the current epoch; False when ``max_steps`` or a stop ended it."""
         if run.max_steps is not None and self.step >= run.max_steps:
@@ -468,14 +483,6 @@ class NNHandler(OriginalAPI):
         """The recorded values of ``name``: ``train_loss``, ``val_loss``, ``train_<metric>`` or
         ``val_<metric>`` (one per epoch; ``val_*`` one per validation)."""
         return self._history.get(name)
-
-    # ------------------------------------------------------------------ preemption
-
-    def _preempt_path(self, path: str | os.PathLike | None) -> str | None:
-        if path is not None:
-            return os.fspath(path)
-        saver = next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
-        return None if saver is None else saver.last_path
 
     # ------------------------------------------------------------------ checkpoints
 
