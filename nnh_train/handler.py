@@ -63,7 +63,7 @@ from nnh_train.batches import (
     set_epoch,
 )
 from nnh_train.callbacks import Callback, ModelCheckpoint
-from nnh_train.checkpoint import load_model_state, save_checkpoint
+from nnh_train.checkpoint import load_model_state
 from nnh_train.compat import (
     ClassOrInstanceMethod,
     OriginalAPI,
@@ -74,8 +74,6 @@ from nnh_train.compat import (
     plot_request,
     train_precision,
 )
-from nnh_train.dd_helpers import gather_to_rank0
-from nnh_train.ddp_decorators import on_rank
 from nnh_train.ddp_init import get_dist_info, initialize_ddp
 from nnh_train.evaluation import Scorer, predictions, run_on_rank0
 from nnh_train.history import History, RunningEpoch
@@ -83,7 +81,7 @@ from nnh_train.model_setup import build_model, unused_parameters_named, wrap_mod
 from nnh_train.plots import plot_history
 from nnh_train.preemption import PREEMPTED_EXIT_CODE, Preemption, reported_interrupt
 from nnh_train.progress import EpochProgress, epoch_summary
-from nnh_train.resume_state import ResumeState, checkpoint_state, read_checkpoint
+from nnh_train.resume_state import ResumeState, checkpoint_state, read_checkpoint, save_on_rank0
 from nnh_train.run_lock import run_dirs_held
 from nnh_train.step_agreement import StepRows, gather_rows
 from nnh_train.train_step import PRECISIONS, TrainStep
@@ -494,17 +492,10 @@ class NNHandler(OriginalAPI):
             >>> handler.save("runs/exp1/last.pt")
         """
         share = self._resume.rank_share(self.train_loader, self._running.batches)
-        shares = gather_to_rank0(share) if self.distributed else [share]
-
-        def write_checkpoint() -> None:
-            save_checkpoint(self._checkpoint(shares), path)
-
-        if self.distributed:
-            on_rank(0)(write_checkpoint)()
-        else:
-            write_checkpoint()
+        save_on_rank0(path, share, self._checkpoint, self.distributed)
 
     def _checkpoint(self, shares: list[dict[str, Any]]) -> dict[str, Any]:
+        """This run's checkpoint, with every rank's share (rank 0, saving)."""
         position = {"epoch": self.epoch, "step": self.step, **self._running.state_dict()}
         objects = self._resume.object_states(self._objects())
         return checkpoint_state(self.module, objects, position, self._history.state_dict(),

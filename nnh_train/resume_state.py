@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch import nn
@@ -30,9 +30,18 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from nnh_data.streaming import state_from_loader
 from nnh_train.batches import iterate, resumed
-from nnh_train.checkpoint import load_checkpoint, rng_state, set_rng_state
+from nnh_train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from nnh_train.dd_helpers import gather_to_rank0
+from nnh_train.ddp_decorators import on_rank
 
-__all__ = ["CHECKPOINT_VERSION", "OBJECTS", "ResumeState", "checkpoint_state", "read_checkpoint"]
+__all__ = [
+    "CHECKPOINT_VERSION",
+    "OBJECTS",
+    "ResumeState",
+    "checkpoint_state",
+    "read_checkpoint",
+    "save_on_rank0",
+]
 
 CHECKPOINT_VERSION = 1
 OBJECTS = ("optimizer", "scheduler", "scaler")
@@ -64,6 +73,24 @@ def checkpoint_state(
         "ranks": shares,
         **model_record,
     }
+
+
+def save_on_rank0(
+    path: str | os.PathLike, share: dict[str, Any],
+    assemble: Callable[[list[dict[str, Any]]], dict[str, Any]], distributed: bool,
+) -> None:  # fmt: skip
+    """Gather every rank's ``share`` to rank 0, which writes ``assemble(shares)`` to ``path``
+    atomically; every rank waits, and an error in the write is raised on every rank (call it on
+    every rank)."""
+    shares = gather_to_rank0(share) if distributed else [share]
+
+    def write_checkpoint() -> None:
+        save_checkpoint(assemble(shares), path)
+
+    if distributed:
+        on_rank(0)(write_checkpoint)()
+    else:
+        write_checkpoint()
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -11,7 +11,12 @@ from torch.utils.data import DataLoader
 
 from nnh_train.checkpoint import load_checkpoint, rng_state, save_checkpoint
 from nnh_train.handler import NNHandler
-from nnh_train.resume_state import ResumeState, checkpoint_state, read_checkpoint
+from nnh_train.resume_state import (
+    ResumeState,
+    checkpoint_state,
+    read_checkpoint,
+    save_on_rank0,
+)
 from tests.support import Net, data
 
 V1_KEYS = ["version", "model", "optimizer", "scheduler", "scaler", "epoch", "step",
@@ -98,6 +103,11 @@ def test_checkpoint_state_lays_out_the_parts_in_the_version_1_order():
     assert list(state) == V1_KEYS
     assert [state[k] for k in ("optimizer", "scheduler", "epoch", "sums")] == [
         {"o": 2}, {"s": 1}, 5, [1.0, 2.0]]
+
+
+def test_one_process_saves_its_own_share(tmp_path):
+    save_on_rank0(tmp_path / "c.pt", {"rng": 1}, lambda shares: {"ranks": shares}, False)
+    assert load_checkpoint(tmp_path / "c.pt") == {"ranks": [{"rng": 1}]}
 
 
 def test_another_version_is_refused_naming_the_file(tmp_path):
