@@ -22,12 +22,13 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from nnh_train.callbacks import Callback, Trainer
+from nnh_train.checkpoint import load_checkpoint
 
 __all__ = [
     "ORIGINAL_OPTIONS",
@@ -39,6 +40,7 @@ __all__ = [
     "OriginalAPI",
     "OriginalOptions",
     "cache_from_loader_type",
+    "handler_from_checkpoint",
     "is_device",
     "model_from_record",
     "model_record",
@@ -263,6 +265,29 @@ class ClassOrInstanceMethod:
 
     def __get__(self, instance: Any, owner: type) -> Callable[..., Any]:
         return functools.partial(self.func, owner if instance is None else instance)
+
+
+H = TypeVar("H")
+
+
+def handler_from_checkpoint(
+    cls: type[H], path: str | os.PathLike, model_class_or_instance: Any = None,
+    device: torch.device | str | None = None, use_distributed: bool | None = None,
+    **model_kwargs: Any,
+) -> H:  # fmt: skip
+    """``NNHandler.load`` on the class: a ``cls`` handler with the state of checkpoint
+    ``path``, for the model given, or the one the checkpoint records (a device in the model's
+    place, as the original's ``NNHandler.load(path, device)``, is the device)."""
+    if is_device(model_class_or_instance):
+        if device is not None:
+            raise ValueError(f"device given twice: {model_class_or_instance!r} and {device!r}")
+        model_class_or_instance, device = None, model_class_or_instance
+    if model_class_or_instance is None:
+        recorded, kwargs = model_from_record(load_checkpoint(path), os.fspath(path))
+        model_class_or_instance, model_kwargs = recorded, {**kwargs, **model_kwargs}
+    handler = cls(model_class_or_instance, device, use_distributed, **model_kwargs)
+    handler.load_state(path)
+    return handler
 
 
 def is_device(value: Any) -> bool:

@@ -1,24 +1,32 @@
 """``NNHandler``: a small DDP training loop that keeps ranks in step and resumes exactly.
 
-Design. Each optimizer step has one collective: an ``all_gather`` of a short row per rank (the
-loss trained on, the step's sample count without pads, the loss and metrics over those samples,
-and a "signal received" flag), started before the last backward and waited for before the
-optimizer step, so that its latency overlaps the backward. From the same gathered rows every rank
-decides the same things the same way: a non-finite loss on any rank stops every rank before the
-optimizer step, with an error naming the ranks, the step and the values; a SIGUSR1/SIGTERM on any
-rank (the signal handler only sets a flag) makes every rank save the same checkpoint at the same
-step and exit with :data:`PREEMPTED_EXIT_CODE`; and the history is summed in rank order from
-those rows, so it is identical on every rank, and so are the callbacks' decisions that read it.
-The cost is that one small collective per step (measured against a bare loop in
-``tools/bench/trainer.py``); a NaN check or a preemption flag that ranks must agree on cannot be
-had for less.
+Design. The handler is the loop and the user's API, built from parts that each own their state,
+as torchtitan's trainer is: :class:`~nnh_train.train_step.TrainStep` (a step's forward and
+backward, its precision, GradScaler and compiled forward), :class:`~nnh_train.history.History`
+and :class:`~nnh_train.history.RunningEpoch` (the epochs done and the one in progress),
+:class:`~nnh_train.resume_state.ResumeState` (what a checkpoint hands back to this rank) and, for
+a ``train`` call, :class:`~nnh_train.preemption.Preemption`; loaders and batches go through
+:mod:`~nnh_train.batches`, losses and metrics through :mod:`~nnh_train.evaluation`. Each
+optimizer step has one collective (:mod:`~nnh_train.step_agreement`): an ``all_gather`` of a
+short row per rank (the loss trained on, the step's sample count without pads, the loss and
+metrics over those samples, and a "signal received" flag), started before the last backward and
+waited for before the optimizer step, so that its latency overlaps the backward. From the same
+gathered rows every rank decides the same things the same way: a non-finite loss on any rank
+stops every rank before the optimizer step, with an error naming the ranks, the step and the
+values; a SIGUSR1/SIGTERM on any rank (the signal handler only sets a flag) makes every rank save
+the same checkpoint at the same step and exit with :data:`PREEMPTED_EXIT_CODE`; and the history
+is summed in rank order from those rows, so it is identical on every rank, and so are the
+callbacks' decisions that read it. The cost is that one small collective per step (measured
+against a bare loop in ``tools/bench/trainer.py``); a NaN check or a preemption flag that ranks
+must agree on cannot be had for less.
 
 Resume. A checkpoint holds the unwrapped model, optimizer, scheduler, scaler, the position (epoch,
 batches done in it, optimizer steps), the epoch's partial sums, the history, and per rank the
 random generator states (at the step and at the epoch's start, when the loader drew its order) and
 the loader's state: ``StatefulDataLoader.state_dict()`` for streaming datasets, else the epoch
 and batch count, resumed by replaying the sampler's indices without reading the skipped samples.
-With the same world size the rest of the run is bitwise the same on CPU.
+With the same world size the rest of the run is bitwise the same on CPU
+(:mod:`~nnh_train.resume_state` assembles and hands back the checkpoint).
 
 Batches. ``(inputs, target, ...)`` sequences call ``model(inputs)`` and ``loss_fn(output,
 target)``; dicts (streaming samples) and single tensors are passed whole to both. Samples flagged
@@ -30,79 +38,57 @@ process on the same data.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-import sys
 import time
-import warnings
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from itertools import islice, zip_longest
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from nnh_data.checks import check_choice, check_int
-from nnh_data.loaders.distributed import SharedEpochDataset, create_distributed_loader
 from nnh_data.loaders.gather import gather_for_metrics
-from nnh_data.loaders.rank_cached import RankCache, create_rank_cached_dataloader
-from nnh_data.streaming.dataset import (
-    ShardedStreamingDataset,
-    state_from_loader,
-    streaming_dataset_of,
+from nnh_train.batches import (
+    Counted,
+    EpochClock,
+    counted,
+    data_figures,
+    groups,
+    loader_length,
+    make_loader,
+    pad_flags,
+    set_epoch,
 )
-from nnh_data.streaming.loader import streaming_loader
-from nnh_data.streaming.stats import describe as describe_data
-from nnh_data.streaming.stats import sum_over_ranks
-from nnh_data.workers.signals import shielded_worker_init
 from nnh_train.callbacks import Callback, ModelCheckpoint
-from nnh_train.checkpoint import (
-    load_checkpoint,
-    load_model_state,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from nnh_train.checkpoint import load_model_state
 from nnh_train.compat import (
     ClassOrInstanceMethod,
     OriginalAPI,
     OriginalOptions,
     cache_from_loader_type,
-    is_device,
-    model_from_record,
+    handler_from_checkpoint,
     model_record,
     plot_request,
     train_precision,
 )
-from nnh_train.dd_helpers import gather_to_rank0
-from nnh_train.ddp_decorators import on_rank
 from nnh_train.ddp_init import get_dist_info, initialize_ddp
+from nnh_train.evaluation import Scorer, predictions, run_on_rank0
+from nnh_train.history import History, RunningEpoch
+from nnh_train.model_setup import build_model, unused_parameters_named, wrap_model
 from nnh_train.plots import plot_history
-from nnh_train.preemption import (
-    PREEMPTED_EXIT_CODE,
-    SignalFlag,
-    catch_signals,
-    exit_preempted,
-    reported_interrupt,
-    requeue,
-)
-from nnh_train.progress import EpochProgress
-from nnh_train.run_lock import acquire_run_dirs, release_run_dirs
+from nnh_train.preemption import PREEMPTED_EXIT_CODE, Preemption, reported_interrupt
+from nnh_train.progress import EpochProgress, epoch_summary
+from nnh_train.resume_state import ResumeState, checkpoint_state, read_checkpoint, save_on_rank0
+from nnh_train.run_lock import run_dirs_held
+from nnh_train.step_agreement import StepRows, gather_rows
+from nnh_train.train_step import PRECISIONS, TrainStep
 
 __all__ = ["PRECISIONS", "PREEMPTED_EXIT_CODE", "NNHandler"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-CHECKPOINT_VERSION = 1
 _INTERVALS = ("epoch", "step")
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -114,8 +100,7 @@ class _Run:
     precision: str
     accumulation: int
     max_steps: int | None
-    requeue: bool
-    preempt_path: str | None
+    preemption: Preemption
     progress_every: int | None
 
     def __post_init__(self) -> None:
@@ -127,6 +112,13 @@ class _Run:
             check_int("max_steps", self.max_steps, low=0)
         if self.progress_every is not None:
             check_int("progress_every", self.progress_every, low=1)
+
+
+def _recorded(name: str) -> property:
+    """``handler.<name>``: that record of the handler's :class:`~nnh_train.history.History`."""
+    return property(lambda self: getattr(self._history, name),
+                    lambda self, value: setattr(self._history, name, value),
+                    doc=f"The run's ``{name}`` (:class:`~nnh_train.history.History`).")  # fmt: skip
 
 
 class NNHandler(OriginalAPI):
@@ -179,9 +171,10 @@ class NNHandler(OriginalAPI):
         options, model_kwargs = OriginalOptions.split(model_kwargs)
         info = initialize_ddp(use_distributed=use_distributed, device=device) or get_dist_info()
         self.distributed, self.rank, self.local_rank, self.world_size, self.device = info
-        self.module = _build_model(model_class_or_instance, model_kwargs).to(self.device)
+        self.module = build_model(model_class_or_instance, model_kwargs).to(self.device)
         self._model_record = model_record(model_class_or_instance, model_kwargs)
-        self.model = self._wrapped(self.module, find_unused_parameters, options.ddp_kwargs)
+        self.model = wrap_model(self.module, self.distributed, self.device,
+                                find_unused_parameters, options.ddp_kwargs)  # fmt: skip
         self.logger = options.logger(self.rank)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
@@ -191,44 +184,26 @@ class NNHandler(OriginalAPI):
         self.callbacks: list[Callback] = []
         self.train_loader: DataLoader | None = None
         self.val_loader: DataLoader | None = None
-        self.train_losses: list[float] = []
-        self.val_losses: list[float] = []
-        self.train_metrics: dict[str, list[float]] = {}
-        self.val_metrics: dict[str, list[float]] = {}
-        self.val_epochs: list[int] = []
-        self.data_waits: list[float | None] = []  # the share of each epoch spent waiting
+        self._history = History()
         self.epoch = self.step = 0
         self.step_loss = math.nan
         self.epoch_logs: dict[str, Any] = {}
         self.should_stop = False
         self.log_fn: Callable[[str], Any] = print if self.logger is None else self.logger.info
-        self._batches_done = 0
-        self._sums: list[float] = []  # the running epoch: loss x count, count, metric x count
-        self._timing = (math.nan, math.nan)  # the last epoch's seconds and seconds waiting
-        self._epoch_rng: dict[str, Any] | None = None
-        self._resume: dict[str, Any] | None = None  # this rank's rng and loader state to apply
-        self._pending: dict[str, Any] = {}  # optimizer/scheduler/scaler states awaiting objects
-        self._scaler: torch.amp.GradScaler | None = None
-        self._autocast: Callable[[], Any] = nullcontext
-        self._forward: Callable[..., Any] = self.model
-        self._compiled: Callable[..., Any] | None = None
-        self._signal = SignalFlag()
+        self._running = RunningEpoch()
+        self._resume = ResumeState()
+        self._stepper = TrainStep(self.model, self.device, self.distributed, self.world_size)
+
+    train_losses = _recorded("train_losses")
+    val_losses = _recorded("val_losses")
+    train_metrics = _recorded("train_metrics")
+    val_metrics = _recorded("val_metrics")
+    val_epochs = _recorded("val_epochs")
+    data_waits = _recorded("data_waits")
 
     @property
     def _rank(self) -> int:
         return self.rank
-
-    def _wrapped(
-        self, module: nn.Module, find_unused: bool | None, ddp_kwargs: Mapping[str, Any]
-    ) -> nn.Module:
-        if not self.distributed:
-            return module
-        kwargs = {"device_ids": [self.device.index] if self.device.type == "cuda" else None,
-                  "find_unused_parameters": _env_flag("DDP_FIND_UNUSED_PARAMETERS"),
-                  **ddp_kwargs}  # fmt: skip
-        if find_unused is not None:
-            kwargs["find_unused_parameters"] = bool(find_unused)
-        return DistributedDataParallel(module, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward: ``handler(x)`` is ``handler.model(x)``."""
@@ -251,7 +226,7 @@ class NNHandler(OriginalAPI):
             >>> handler.set_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
         """
         self.optimizer = optimizer_class(self.module.parameters(), **kwargs)
-        self._apply_pending("optimizer", self.optimizer)
+        self._resume.apply("optimizer", self.optimizer)
 
     def set_scheduler(self, scheduler_class: type, interval: str = "epoch", **kwargs: Any) -> None:
         """Build a learning-rate scheduler on the optimizer, stepped every ``interval``:
@@ -266,7 +241,7 @@ class NNHandler(OriginalAPI):
             raise ValueError("set_scheduler needs an optimizer: call set_optimizer first")
         self.scheduler_interval = check_choice("interval", interval, _INTERVALS)
         self.scheduler = scheduler_class(self.optimizer, **kwargs)
-        self._apply_pending("scheduler", self.scheduler)
+        self._resume.apply("scheduler", self.scheduler)
 
     def set_loss_fn(self, fn: Callable[..., torch.Tensor]) -> None:
         """``fn(output, target) -> scalar tensor``, the mean over the batch."""
@@ -288,7 +263,7 @@ class NNHandler(OriginalAPI):
         if name in self.metrics or not callable(fn):
             raise ValueError(f"metric {name!r} is already added or fn {fn!r} is not callable")
         self.metrics[name] = fn
-        self.train_metrics[name], self.val_metrics[name] = [], []
+        self._history.add_metric(name)
 
     def add_callback(self, callback: Callback) -> None:
         """Call ``callback``'s hooks during :meth:`train` (see :mod:`nnh_train.callbacks`)."""
@@ -308,7 +283,8 @@ class NNHandler(OriginalAPI):
         (the original's ``dataloader_type=DataLoaderType.RANK_CACHED`` is ``cache=True``).
         """
         cache = cache_from_loader_type(loader_kwargs, cache)
-        self.train_loader = self._loader(dataset, batch_size, cache, loader_kwargs, is_eval=False)
+        self.train_loader = make_loader(dataset, batch_size, cache, loader_kwargs, is_eval=False,
+                                        device=self.device, log_fn=self._log)  # fmt: skip
 
     def set_val_loader(
         self, dataset: Dataset | DataLoader, batch_size: int | None = None, cache: bool = False,
@@ -316,34 +292,8 @@ class NNHandler(OriginalAPI):
     ) -> None:  # fmt: skip
         """Validate on ``dataset`` (as :meth:`set_train_loader`, in evaluation order)."""
         cache = cache_from_loader_type(loader_kwargs, cache)
-        self.val_loader = self._loader(dataset, batch_size, cache, loader_kwargs, is_eval=True)
-
-    def _loader(
-        self, data: Any, batch_size: int | None, cache: bool, kwargs: dict, is_eval: bool
-    ) -> DataLoader:
-        if isinstance(data, DataLoader):
-            if batch_size is not None or kwargs or cache:
-                raise ValueError("a DataLoader is used as it is: pass no batch_size, cache or "
-                                 "loader arguments with it")  # fmt: skip
-            _warn_epoch_unseen(data)
-            data.worker_init_fn = shielded_worker_init(data.worker_init_fn)
-            return data
-        batch_size = check_int("batch_size", batch_size, low=1)
-        if isinstance(data, ShardedStreamingDataset) and not cache:
-            if "shuffle" in kwargs:
-                raise ValueError("shuffle is the ShardedStreamingDataset's own: set it with "
-                                 "ShardedStreamingDataset(..., shuffle=), not in the loader "
-                                 "arguments")  # fmt: skip
-            return streaming_loader(data, batch_size, **kwargs)
-        if isinstance(data, IterableDataset) and not cache:
-            raise ValueError(
-                "dataset must be map-style, a ShardedStreamingDataset or a DataLoader, got "
-                f"the IterableDataset {type(data).__name__}"
-            )
-        make = create_rank_cached_dataloader if cache else create_distributed_loader
-        loader, _ = make(data, {"batch_size": batch_size, **kwargs}, self.device,
-                         log_fn=self._log, is_eval=is_eval)  # fmt: skip
-        return loader
+        self.val_loader = make_loader(dataset, batch_size, cache, loader_kwargs, is_eval=True,
+                                      device=self.device, log_fn=self._log)  # fmt: skip
 
     # ------------------------------------------------------------------ training
 
@@ -409,36 +359,26 @@ class NNHandler(OriginalAPI):
                                  "train(False) without other arguments set the model's mode")
             return self.eval(epochs is False)
         precision = train_precision(original_options, precision, self.device)
+        preemption = Preemption(self._preempt_path(preempt_path), bool(requeue))
         run = _Run(epochs, validate_every, precision, gradient_accumulation_steps, max_steps,
-                   bool(requeue), self._preempt_path(preempt_path), progress_every)  # fmt: skip
+                   preemption, progress_every)  # fmt: skip
         self._check_ready()
-        self._prepare(run, compile)
+        self._stepper.configure(run.precision, compile)
+        self._resume.apply("scaler", self._stepper.scaler)
         if resume is not None:
             self.load_state(resume)
         self.should_stop = False
         with (
-            self._run_dirs_locked(),
-            self._signals(run.preempt_path),
-            reported_interrupt(lambda: self._stopped_at(run)),
-            _unused_parameters_named(),
+            run_dirs_held([d for c in self.callbacks for d in c.run_dirs()], self.rank),
+            preemption.signals_caught(),
+            reported_interrupt(lambda: preemption.interrupted(self.rank, self.step, self.epoch,
+                                                              self._running.batches)),
+            unused_parameters_named(),
         ):
             self._call("on_train_begin")
             while self.epoch < run.epochs and not self.should_stop and self._train_epoch(run):
                 self._end_epoch(run)
             self._call("on_train_end")
-
-    @contextmanager
-    def _run_dirs_locked(self) -> Iterator[None]:
-        """Hold the folders the callbacks write (rank 0 locks them) for the run: a run on a
-        folder that another live run holds is refused, on every rank."""
-        folders = sorted({folder for c in self.callbacks for folder in c.run_dirs()})
-        if folders:
-            on_rank(0)(acquire_run_dirs)(folders)
-        try:
-            yield
-        finally:
-            if folders and self.rank == 0:
-                release_run_dirs(folders)
 
     def _check_ready(self) -> None:
         needed = {"set_optimizer": self.optimizer, "set_loss_fn": self.loss_fn,
@@ -447,22 +387,12 @@ class NNHandler(OriginalAPI):
         if missing:
             raise ValueError(f"train needs {', '.join(missing)} to be called first")
 
-    def _prepare(self, run: _Run, compile: bool | str) -> None:
-        dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[run.precision]
-        device_type = self.device.type
-        self._autocast = (
-            nullcontext if dtype is None
-            else functools.partial(torch.autocast, device_type, dtype=dtype)
-        )  # fmt: skip
-        if run.precision != "fp16":
-            self._scaler = None
-        elif self._scaler is None:
-            self._scaler = torch.amp.GradScaler(device_type)
-            self._apply_pending("scaler", self._scaler)
-        if compile and self._compiled is None:
-            backend = "inductor" if compile is True else compile
-            self._compiled = torch.compile(self.model, backend=backend)
-        self._forward = self._compiled if compile else self.model
+    def _preempt_path(self, path: str | os.PathLike | None) -> str | None:
+        """Where a preemption signal saves: ``path``, else the first ModelCheckpoint's last."""
+        if path is not None:
+            return os.fspath(path)
+        saver = next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
+        return None if saver is None else saver.last_path
 
     def _train_epoch(self, run: _Run) -> bool:
         """Run (the rest of) the current epoch; False when ``max_steps`` or a stop ended it."""
@@ -471,205 +401,67 @@ class NNHandler(OriginalAPI):
         self.module.train()
         self._call("on_epoch_begin")
         loader = self.train_loader
-        clock = _Clock(time.perf_counter())
-        _set_epoch(loader, self.epoch)
-        total = _length(loader)
-        batches = self._epoch_batches(loader)  # after it, _batches_done is where the rank is
+        clock = EpochClock(time.perf_counter())
+        set_epoch(loader, self.epoch)
+        total = loader_length(loader)
+        batches = self._epoch_batches(loader)  # after it, _running.batches is where it is
         desc = f"epoch {self.epoch + 1}/{run.epochs}"
-        with EpochProgress(desc, total, self._batches_done, run.progress_every,
+        with EpochProgress(desc, total, self._running.batches, run.progress_every,
                            enabled=self.rank == 0) as progress:  # fmt: skip
-            for group in _groups(batches, run.accumulation, clock):
+            for group in groups(batches, run.accumulation, clock):
                 samples = self._train_step(group, run)
                 progress.update(len(group), samples, self.step_loss)
                 if run.max_steps is not None and self.step >= run.max_steps:
-                    self._resume = self._rank_state()  # a later train() continues from here
+                    self._resume.hold(loader, self._running.batches)  # a later train() goes on
                     return False
-        self._timing = clock.finish()
+        self._running.timing = clock.finish()
         return True
 
-    def _epoch_batches(self, loader: DataLoader) -> Iterator[tuple[Any, int, torch.Tensor | None]]:
+    def _epoch_batches(self, loader: DataLoader) -> Iterator[Counted]:
         """This epoch's batches from where the run stands, as (batch, size, pad mask)."""
-        resume, self._resume = self._resume, None
-        mid_epoch = resume is not None and self._batches_done > 0
-        if resume is not None:
-            set_rng_state(resume["epoch_rng"] if mid_epoch else resume["rng"])
-        self._epoch_rng = rng_state()
-        if mid_epoch:
-            batches, self._batches_done = _resumed(loader, resume, self._batches_done)
-            set_rng_state(resume["rng"])
-        else:
-            batches = _iterate(loader)
-        seen = self._batches_done * (loader.batch_size or 1)
-        return _counted(batches, _pad_flags(loader), seen)
+        running = self._running
+        batches, running.batches = self._resume.epoch_batches(loader, running.batches)
+        seen = running.batches * (loader.batch_size or 1)
+        return counted(batches, pad_flags(loader), seen)
 
-    def _train_step(self, group: list[tuple[Any, int, torch.Tensor | None]], run: _Run) -> int:
+    def _train_step(self, group: list[Counted], run: _Run) -> int:
         """One optimizer step over ``group``; the real samples it trained on, over all ranks."""
-        rows = self._forward_backward(group)()
-        self._check_finite(rows)
-        self._optimizer_step()
-        self._account(rows, len(group))
-        self._call("on_batch_end")
-        if any(row[-1] for row in rows):
-            self._preempt(run, [r for r, row in enumerate(rows) if row[-1]])
-        return int(sum(row[-2] for row in rows))
-
-    def _forward_backward(
-        self, group: list[tuple[Any, int, torch.Tensor | None]]
-    ) -> Callable[[], list[list[float]]]:
-        """Forward and backward over the group's batches, each weighted by its share of the
-        group's samples. The rows (see :meth:`_row`) are exchanged while the last backward
-        runs, so the collective's latency hides behind it; the result waits for them."""
-        total = sum(size for _, size, _ in group)
-        trained, figures, real = [], [], 0
-        for i, (batch, size, pads) in enumerate(group):
-            inputs, target = _split(_to_device(batch, self.device))
-            last = i == len(group) - 1
-            with nullcontext() if last or not self.distributed else self.model.no_sync():
-                with self._autocast():
-                    output = self._forward(inputs)
-                    loss = self.loss_fn(output, target)
-                value = loss.detach().double().reshape(1)
-                trained.append(_weighted(value, size / total))
-                count = size if pads is None else size - int(pads.sum())
-                if count:
-                    figures.append((self._figures(value, output, target, pads), count))
-                real += count
-                if last:
-                    rows = self._gather(self._row(trained, figures, real))
-                self._backward(_weighted(loss, size / total))
-        return rows
-
-    def _figures(
-        self, value: torch.Tensor, output: Any, target: Any, pads: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The batch's loss (``value``: float64, shape (1,)) and metrics over its real samples
-        (pads left out), as float64."""
-        if pads is not None:
-            output, target = _select(_detached(output), ~pads), _select(target, ~pads)
-            with torch.no_grad(), self._autocast():
-                value = self.loss_fn(output, target).detach().double().reshape(1)
-        return torch.cat([value, self._metric_values(output, target)]) if self.metrics else value
-
-    def _row(
-        self, trained: list[torch.Tensor], figures: list[tuple[torch.Tensor, int]], real: int
-    ) -> torch.Tensor:
-        """This rank's row: [loss trained on, loss and metrics over the real samples, real
-        sample count, signal flag], float64 on the device, from each batch's weighted loss
-        (``trained``) and its (figures, real count) where it has real samples."""
-        weighted = [_weighted(values, count / real) for values, count in figures]
-        means = sum(weighted[1:], weighted[0]) if weighted else self._zeros(1 + len(self.metrics))
-        tail = torch.tensor(
-            [real, bool(self._signal)], dtype=torch.float64, device=self.device
-        )
-        return torch.cat([sum(trained[1:], trained[0]), means, tail])
-
-    def _zeros(self, size: int) -> torch.Tensor:
-        return torch.zeros(size, dtype=torch.float64, device=self.device)
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        (loss if self._scaler is None else self._scaler.scale(loss)).backward()
-
-    def _metric_values(self, output: Any, target: Any) -> torch.Tensor:
-        """Each metric of the batch as float64 on the device (no sync for tensor results)."""
-        with torch.no_grad():
-            values = [fn(_detached(output), target) for fn in self.metrics.values()]
-        as_tensors = [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(())
-                      for v in values]  # fmt: skip
-        return torch.stack(as_tensors) if as_tensors else self._zeros(0)
-
-    def _gather(self, row: torch.Tensor) -> Callable[[], list[list[float]]]:
-        """Start the step's one collective; the result waits for every rank's ``row``, in rank
-        order (the same list on every rank)."""
-        if not self.distributed:
-            return lambda: [row.tolist()]
-        rows = [torch.empty_like(row) for _ in range(self.world_size)]
-        work = dist.all_gather(rows, row, async_op=True)
-
-        def wait() -> list[list[float]]:
-            work.wait()
-            return torch.stack(rows).tolist()
-
-        return wait
-
-    def _check_finite(self, rows: list[list[float]]) -> None:
-        bad = {rank: row[0] for rank, row in enumerate(rows) if not math.isfinite(row[0])}
-        if bad:
+        flag = run.preemption.flag
+        rows = StepRows(self._stepper.forward_backward(group, self._scorer(), flag)())
+        error = rows.non_finite_error(f"step {self.step} (epoch {self.epoch}, batch "
+                                      f"{self._running.batches})")  # fmt: skip
+        if error is not None:
             self.optimizer.zero_grad(set_to_none=True)
-            values = ", ".join(f"rank {rank}: {value}" for rank, value in bad.items())
-            raise FloatingPointError(
-                f"non-finite loss at step {self.step} (epoch {self.epoch}, batch "
-                f"{self._batches_done}) on rank(s) {sorted(bad)} ({values}); no rank took this "
-                "optimizer step"
-            )
-
-    def _optimizer_step(self) -> None:
-        if self._scaler is None:
-            self.optimizer.step()
-        else:
-            self._scaler.step(self.optimizer)
-            self._scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None and self.scheduler_interval == "step":
-            self.scheduler.step()
-
-    def _account(self, rows: list[list[float]], batches: int) -> None:
-        """Add the step's rows to the epoch's sums, in rank order (the same on every rank)."""
-        step = [0.0] * (len(rows[0]) - 2)  # loss x count, count, metric x count
-        for _, loss, *metrics, count, _ in rows:
-            for k, value in enumerate([loss * count, count, *(m * count for m in metrics)]):
-                step[k] += value
-        self._sums = [a + b for a, b in zip_longest(self._sums, step, fillvalue=0.0)]
-        self.step_loss = step[0] / step[1] if step[1] else math.nan
+            raise error
+        step_scheduler = self.scheduler_interval == "step"
+        self._stepper.optimizer_step(self.optimizer, self.scheduler if step_scheduler else None)
+        self.step_loss = self._running.add(rows.sums(), len(group))
         self.step += 1
-        self._batches_done += batches
+        self._call("on_batch_end")
+        if rows.signalled():
+            run.preemption.stop(self.rank, self.step, rows.signalled(), self.save)
+        return rows.samples()
 
     def _end_epoch(self, run: _Run) -> None:
         """Record the epoch, validate, step the scheduler, then call the epoch-end hooks."""
-        loss, metrics = _means(self._sums, len(self.metrics))
-        self.train_losses.append(loss)
-        for name, value in zip(self.metrics, metrics):
-            self.train_metrics[name].append(value)
+        running = self._running
+        self._history.record_epoch(running.sums, self.metrics, running.wait_share())
         validated = self.val_loader is not None and (self.epoch + 1) % run.validate_every == 0
         if validated:
             self._validate()
         self._step_epoch_scheduler(validated)
         self.epoch_logs = self._logs(validated)
-        self.data_waits.append(self.epoch_logs["data_wait"])
         self.epoch += 1
-        self._batches_done, self._sums = 0, []
-        self._log(_describe(self.epoch_logs, run.epochs))
-        if "data_samples" in self.epoch_logs:  # a streaming dataset's figures, over all ranks
-            self._log(describe_data({k[5:]: v for k, v in self.epoch_logs.items()
-                                     if k.startswith("data_") and k != "data_wait"}))
+        self._running.reset()
+        for line in epoch_summary(self.epoch_logs, run.epochs):
+            self._log(line)
         self._call("on_epoch_end")
 
     def _validate(self) -> None:
-        sums = self._evaluate(self.val_loader)
-        totals = [sum(column) for column in zip(*self._gather(sums)())]
-        loss, metrics = _means(totals, len(self.metrics))
-        self.val_losses.append(loss)
-        self.val_epochs.append(self.epoch + 1)
-        for name, value in zip(self.metrics, metrics):
-            self.val_metrics[name].append(value)
-
-    def _evaluate(self, loader: DataLoader) -> torch.Tensor:
-        """This rank's [loss x count, count, metric x count...] over ``loader``, pads left out."""
-        sums = self._zeros(2 + len(self.metrics))
-        _set_epoch(loader, self.epoch)
-        with torch.no_grad(), _eval_mode(self.module):
-            for batch, size, pads in _counted(_iterate(loader), _pad_flags(loader), 0):
-                count = size if pads is None else size - int(pads.sum())
-                if count == 0:
-                    continue
-                batch = batch if pads is None else _select(batch, ~pads)
-                inputs, target = _split(_to_device(batch, self.device))
-                with self._autocast():
-                    output = self.module(inputs)
-                    loss = self.loss_fn(output, target)
-                one = torch.ones((), dtype=torch.float64, device=self.device)
-                head = torch.stack([loss.double(), one])
-                sums += torch.cat([head, self._metric_values(output, target)]) * count
-        return sums
+        sums = self._scorer().loader_sums(self.module, self.val_loader, self.epoch)
+        rows = gather_rows(sums, self.distributed, self.world_size)()
+        totals = [sum(column) for column in zip(*rows)]
+        self._history.record_validation(self.epoch + 1, totals, self.metrics)
 
     def _step_epoch_scheduler(self, validated: bool) -> None:
         if self.scheduler is None or self.scheduler_interval != "epoch":
@@ -680,61 +472,15 @@ class NNHandler(OriginalAPI):
             self.scheduler.step()
 
     def _logs(self, validated: bool) -> dict[str, Any]:
-        logs: dict[str, Any] = {"epoch": self.epoch + 1, "step": self.step,
-                                "train_loss": self.train_losses[-1]}  # fmt: skip
-        logs.update({f"train_{n}": v[-1] for n, v in self.train_metrics.items()})
-        logs["val_loss"] = self.val_losses[-1] if validated else None
-        logs.update({f"val_{n}": v[-1] if validated else None for n, v in self.val_metrics.items()})
-        seconds, waited = self._timing
-        logs["samples_per_s"] = self._sums[1] / seconds if self._sums and seconds > 0 else None
-        logs["data_wait"] = waited / seconds if seconds > 0 else None
-        dataset = streaming_dataset_of(self.train_loader)
-        if dataset is not None:  # one all_reduce: every rank's figures
-            wait = 0.0 if math.isnan(waited) else waited
-            data = {**dataset.stats(), "wait_s": wait}
-            data = sum_over_ranks(data) if self.distributed else data
-            logs.update((f"data_{name}", value) for name, value in data.items())
-        return logs
+        logs = {"epoch": self.epoch + 1, "step": self.step, **self._history.latest(validated),
+                "samples_per_s": self._running.samples_per_s(), "data_wait": self.data_waits[-1]}
+        waited = self._running.timing[1]
+        return {**logs, **data_figures(self.train_loader, waited, self.distributed)}  # all_reduce
 
     def history(self, name: str) -> list[float]:
         """The recorded values of ``name``: ``train_loss``, ``val_loss``, ``train_<metric>`` or
         ``val_<metric>`` (one per epoch; ``val_*`` one per validation)."""
-        table = {"train_loss": self.train_losses, "val_loss": self.val_losses}
-        table.update({f"train_{n}": v for n, v in self.train_metrics.items()})
-        table.update({f"val_{n}": v for n, v in self.val_metrics.items()})
-        if name not in table:
-            raise ValueError(f"name must be one of {sorted(table)}, got {name!r}")
-        return table[name]
-
-    # ------------------------------------------------------------------ preemption
-
-    def _preempt_path(self, path: str | os.PathLike | None) -> str | None:
-        if path is not None:
-            return os.fspath(path)
-        saver = next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
-        return None if saver is None else saver.last_path
-
-    @contextmanager
-    def _signals(self, path: str | None) -> Iterator[None]:
-        """SIGUSR1 and SIGTERM only set a flag while ``path`` is where to save them."""
-        with catch_signals(enabled=path is not None) as self._signal:
-            yield
-
-    def _preempt(self, run: _Run, ranks: list[int]) -> None:
-        print(f"rank {self.rank}: signal received on rank(s) {ranks}; saving "
-              f"{run.preempt_path} at step {self.step} and exiting with code "
-              f"{PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)  # fmt: skip
-        self.save(run.preempt_path)
-        if run.requeue and self.rank == 0:
-            requeue()
-        exit_preempted(self.rank)
-
-    def _stopped_at(self, run: _Run) -> str:
-        """Where a Ctrl-C stopped this rank, and the checkpoint that a run resumes from."""
-        path = run.preempt_path
-        saved = f"last checkpoint {path}" if path and os.path.exists(path) else "no checkpoint"
-        return (f"rank {self.rank}: interrupted at step {self.step} (epoch {self.epoch + 1}, "
-                f"batch {self._batches_done}); {saved}")  # fmt: skip
+        return self._history.get(name)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -745,50 +491,20 @@ class NNHandler(OriginalAPI):
         Example:
             >>> handler.save("runs/exp1/last.pt")
         """
-        shares = gather_to_rank0(self._rank_state()) if self.distributed else [self._rank_state()]
-
-        def write_checkpoint() -> None:
-            save_checkpoint(self._checkpoint(shares), path)
-
-        if self.distributed:
-            on_rank(0)(write_checkpoint)()
-        else:
-            write_checkpoint()
-
-    def _rank_state(self) -> dict[str, Any]:
-        """What differs between ranks: generator states and the loader's position."""
-        if self._resume is not None:  # loaded, not yet resumed: keep what was loaded
-            return self._resume
-        stateful = self._batches_done and isinstance(self.train_loader, StatefulDataLoader)
-        return {"rng": rng_state(), "epoch_rng": self._epoch_rng or rng_state(),
-                "loader": self.train_loader.state_dict() if stateful else None}  # fmt: skip
+        share = self._resume.rank_share(self.train_loader, self._running.batches)
+        save_on_rank0(path, share, self._checkpoint, self.distributed)
 
     def _checkpoint(self, shares: list[dict[str, Any]]) -> dict[str, Any]:
-        def state_of(name: str, live: Any) -> Any:
-            return live.state_dict() if live is not None else self._pending.get(name)
+        """This run's checkpoint, with every rank's share (rank 0, saving)."""
+        position = {"epoch": self.epoch, "step": self.step, **self._running.state_dict()}
+        objects = self._resume.object_states(self._objects())
+        return checkpoint_state(self.module, objects, position, self._history.state_dict(),
+                                shares, self.world_size, self._model_record)  # fmt: skip
 
-        return {
-            "version": CHECKPOINT_VERSION,
-            "model": self.module.state_dict(),
-            "optimizer": state_of("optimizer", self.optimizer),
-            "scheduler": state_of("scheduler", self.scheduler),
-            "scaler": state_of("scaler", self._scaler),
-            "epoch": self.epoch,
-            "step": self.step,
-            "batches_done": self._batches_done,
-            "sums": list(self._sums),
-            "history": {
-                "train_losses": self.train_losses,
-                "val_losses": self.val_losses,
-                "train_metrics": self.train_metrics,
-                "val_metrics": self.val_metrics,
-                "val_epochs": self.val_epochs,
-                "data_waits": self.data_waits,
-            },  # fmt: skip
-            "world_size": self.world_size,
-            "ranks": shares,
-            **self._model_record,
-        }
+    def _objects(self) -> dict[str, Any]:
+        """The training objects whose states checkpoints hold (None where not set)."""
+        scaler = self._stepper.scaler
+        return {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": scaler}
 
     def load_state(self, path: str | os.PathLike) -> None:
         """Continue from checkpoint ``path`` (every rank reads it onto its own device).
@@ -799,49 +515,12 @@ class NNHandler(OriginalAPI):
         mid-epoch checkpoint of a streaming dataset resumes with another world size too (the
         rest of the epoch split again); a map-style one needs the same world size.
         """
-        state = load_checkpoint(path)
-        if state.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(
-                f"checkpoint {os.fspath(path)!r} has version {state.get('version')!r}; this "
-                f"nnh reads {CHECKPOINT_VERSION}"
-            )
+        state = read_checkpoint(path)
         load_model_state(self.module, state["model"])
-        self._pending = {k: state[k] for k in ("optimizer", "scheduler", "scaler") if state[k]}
-        for name, live in (("optimizer", self.optimizer), ("scheduler", self.scheduler),
-                           ("scaler", self._scaler)):  # fmt: skip
-            self._apply_pending(name, live)
-        self.epoch, self.step, self._batches_done = (
-            state["epoch"],
-            state["step"],
-            state["batches_done"],
-        )
-        self._sums = list(state["sums"])
-        history = state["history"]
-        self.train_losses, self.val_losses = history["train_losses"], history["val_losses"]
-        self.train_metrics, self.val_metrics = history["train_metrics"], history["val_metrics"]
-        self.val_epochs = history["val_epochs"]
-        self.data_waits = history.get("data_waits", [None] * len(self.train_losses))
-        self._resume = self._rank_resume(state, os.fspath(path))
-
-    def _rank_resume(self, state: dict[str, Any], path: str) -> dict[str, Any]:
-        shares = state["ranks"]
-        if state["world_size"] == self.world_size:
-            return shares[self.rank]
-        if self._batches_done and shares[0]["loader"] is None:
-            raise ValueError(
-                f"checkpoint {path!r} was saved mid-epoch with world_size={state['world_size']} "
-                f"and a map-style loader; it resumes only with that world size, not "
-                f"{self.world_size} (a checkpoint from an epoch's end resumes with any)"
-            )
-        warnings.warn(f"checkpoint {path!r} has world_size={state['world_size']}, not "
-                      f"{self.world_size}: random generator states are not restored",
-                      RuntimeWarning, stacklevel=3)  # fmt: skip
-        merged = None if shares[0]["loader"] is None else state_from_loader(shares[0]["loader"])
-        return {"rng": rng_state(), "epoch_rng": rng_state(), "loader": None, "dataset": merged}
-
-    def _apply_pending(self, name: str, live: Any) -> None:
-        if live is not None and name in self._pending:
-            live.load_state_dict(self._pending.pop(name))
+        self._resume.load(state, os.fspath(path), self.rank, self.world_size, self._objects())
+        self.epoch, self.step = state["epoch"], state["step"]
+        self._running.load_state_dict(state)
+        self._history.load_state_dict(state["history"])
 
     @ClassOrInstanceMethod
     def load(self_or_cls, *args: Any, **kwargs: Any) -> NNHandler:  # noqa: N805
@@ -863,7 +542,7 @@ class NNHandler(OriginalAPI):
         if isinstance(self_or_cls, NNHandler):
             self_or_cls.load_state(*args, **kwargs)
             return self_or_cls
-        return _load_new(self_or_cls, *args, **kwargs)
+        return handler_from_checkpoint(self_or_cls, *args, **kwargs)
 
     # ------------------------------------------------------------------ inference and plots
 
@@ -878,18 +557,11 @@ class NNHandler(OriginalAPI):
             >>> outputs = handler.predict(test_set)  # (len(test_set), ...) on rank 0
         """
         given = isinstance(dataset_or_loader, DataLoader)
-        loader = self._loader(dataset_or_loader, None if given else batch_size, False, {}, True)
-        order, start = _epoch_ids(loader), 0
-        outputs, ids = [], []
-        with torch.no_grad(), _eval_mode(self.module):
-            for batch, size, pads in _counted(_iterate(loader), _pad_flags(loader), 0):
-                keep = torch.ones(size, dtype=torch.bool) if pads is None else ~pads
-                ids.append(_batch_ids(batch, order, start, size, self.distributed)[keep])
-                start += size
-                inputs, _ = _split(_to_device(_select(batch, keep), self.device))
-                with self._autocast():
-                    outputs.append(self.module(inputs).float())
-        values, _ = gather_for_metrics(torch.cat(outputs), torch.cat(ids))
+        loader = make_loader(dataset_or_loader, None if given else batch_size, False, {},
+                             is_eval=True, device=self.device, log_fn=self._log)  # fmt: skip
+        outputs, ids = predictions(self.module, loader, self.device, self._stepper.autocast,
+                                   self.distributed)  # fmt: skip
+        values, _ = gather_for_metrics(outputs, ids)
         return values if self.rank == 0 else None
 
     def sample(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -899,7 +571,7 @@ class NNHandler(OriginalAPI):
         Example:
             >>> images = handler.sample(lambda m, n: m.generate(n), 16)
         """
-        return self._on_rank0(fn, args, kwargs)
+        return run_on_rank0(self.module, fn, args, kwargs, self.distributed)
 
     def log_likelihood(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(module, *args, **kwargs)`` on rank 0, as :meth:`sample`.
@@ -907,19 +579,7 @@ class NNHandler(OriginalAPI):
         Example:
             >>> nll = handler.log_likelihood(lambda m, x: m.log_prob(x).mean(), batch)
         """
-        return self._on_rank0(fn, args, kwargs)
-
-    def _on_rank0(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if not callable(fn):
-            raise ValueError(f"fn must be a function of the module, got {fn!r} (the original "
-                             "NNHandler's SDE sample(shape, steps) is not in nnh)")  # fmt: skip
-
-        @functools.wraps(fn)
-        def run() -> Any:
-            with torch.no_grad(), _eval_mode(self.module):
-                return fn(self.module, *args, **kwargs)
-
-        return on_rank(0)(run)() if self.distributed else run()
+        return run_on_rank0(self.module, fn, args, kwargs, self.distributed)
 
     def plot_losses(
         self, path: str | os.PathLike | bool | None = None,
@@ -935,11 +595,7 @@ class NNHandler(OriginalAPI):
         """
         path, log_y = plot_request(path, save_path, log_y_scale)
         if self.rank == 0:
-            panels = [("loss", self.train_losses, self.val_losses)]
-            if any(w is not None for w in self.data_waits):  # beside it, the data wait
-                waits = [math.nan if w is None else w for w in self.data_waits]
-                panels.append(("data wait (share of the epoch)", waits, []))
-            plot_history(panels, self.val_epochs, path, log_y)
+            plot_history(self._history.loss_panels(), self.val_epochs, path, log_y)
 
     def plot_metrics(
         self, path: str | os.PathLike | bool | None = None,
@@ -948,12 +604,13 @@ class NNHandler(OriginalAPI):
         """One panel per metric, training and validation per epoch, as :meth:`plot_losses`."""
         path, log_y = plot_request(path, save_path, log_y_scale)
         if self.rank == 0 and self.metrics:
-            panels = [
-                (name, self.train_metrics[name], self.val_metrics[name]) for name in self.metrics
-            ]
-            plot_history(panels, self.val_epochs, path, log_y)
+            plot_history(self._history.metric_panels(self.metrics), self.val_epochs, path, log_y)
 
     # ------------------------------------------------------------------ helpers
+
+    def _scorer(self) -> Scorer:
+        """The loss and metrics as set now, at the run's precision."""
+        return Scorer(self.loss_fn, self.metrics, self.device, self._stepper.autocast)
 
     def _call(self, hook: str) -> None:
         for callback in self.callbacks:
@@ -962,294 +619,3 @@ class NNHandler(OriginalAPI):
     def _log(self, line: str) -> None:
         if self.rank == 0:
             self.log_fn(line)
-
-
-def _load_new(
-    cls: type[NNHandler], path: str | os.PathLike, model_class_or_instance: Any = None,
-    device: torch.device | str | None = None, use_distributed: bool | None = None,
-    **model_kwargs: Any,
-) -> NNHandler:  # fmt: skip
-    """``NNHandler.load``: a handler for the model given, or the one the checkpoint records."""
-    if is_device(model_class_or_instance):
-        if device is not None:
-            raise ValueError(f"device given twice: {model_class_or_instance!r} and {device!r}")
-        model_class_or_instance, device = None, model_class_or_instance
-    if model_class_or_instance is None:
-        recorded, kwargs = model_from_record(load_checkpoint(path), os.fspath(path))
-        model_class_or_instance, model_kwargs = recorded, {**kwargs, **model_kwargs}
-    handler = cls(model_class_or_instance, device, use_distributed, **model_kwargs)
-    handler.load_state(path)
-    return handler
-
-
-@dataclass
-class _Clock:
-    """Wall time of an epoch and the part of it spent waiting for batches."""
-
-    start: float
-    waited: float = 0.0
-
-    def finish(self) -> tuple[float, float]:
-        return time.perf_counter() - self.start, self.waited
-
-
-def _build_model(model: Any, kwargs: dict[str, Any]) -> nn.Module:
-    if isinstance(model, nn.Module):
-        if kwargs:
-            raise ValueError(f"model keyword arguments {sorted(kwargs)} given with a built model")
-        return model
-    built = model(**kwargs) if callable(model) else None
-    if not isinstance(built, nn.Module):
-        raise ValueError(
-            f"model_class_or_instance must be an nn.Module or build one, got {model!r}"
-        )
-    return built
-
-
-@contextmanager
-def _unused_parameters_named() -> Iterator[None]:
-    """DDP's error for parameters that got no gradient advises an argument of
-    ``DistributedDataParallel``, which the handler builds: name the handler's switches."""
-    try:
-        yield
-    except RuntimeError as exc:
-        if "find_unused_parameters" not in str(exc):
-            raise
-        raise RuntimeError(
-            "DDP found parameters that took no part in the loss (PyTorch's message below). "
-            "NNHandler builds DistributedDataParallel itself: pass NNHandler(..., "
-            "find_unused_parameters=True) or set DDP_FIND_UNUSED_PARAMETERS=1 (a walk over the "
-            "autograd graph every step), or use or remove those parameters.\n\n" + str(exc)
-        ) from exc
-
-
-def _warn_epoch_unseen(loader: DataLoader) -> None:
-    """Warn when ``set_epoch`` on the given loader's dataset would not reach its persistent
-    workers (each keeps the copy it started with)."""
-    dataset = loader.dataset
-    shared = streaming_dataset_of(loader) is not None or isinstance(dataset, SharedEpochDataset)
-    if loader.persistent_workers and callable(getattr(dataset, "set_epoch", None)) and not shared:
-        warnings.warn(
-            f"the DataLoader's dataset {type(dataset).__name__} has set_epoch, which the "
-            "handler calls every epoch, but its persistent workers keep the epoch they started "
-            "with: give the dataset itself to set_train_loader, or wrap it: "
-            "DataLoader(SharedEpochDataset(dataset), ...)", RuntimeWarning, stacklevel=4,
-        )  # fmt: skip
-
-
-def _env_flag(name: str) -> bool:
-    text = os.environ.get(name, "").strip().lower()
-    if text not in _TRUE + _FALSE:
-        raise ValueError(f"environment variable {name} must be one of {_TRUE + _FALSE}, "
-                         f"got {os.environ[name]!r}")  # fmt: skip
-    return text in _TRUE
-
-
-def _groups(batches: Iterator[Any], size: int, clock: _Clock) -> Iterator[list[Any]]:
-    """Lists of ``size`` items of ``batches`` (the last may be shorter), timing the waits."""
-    while True:
-        start = time.perf_counter()
-        group = list(islice(batches, size))
-        clock.waited += time.perf_counter() - start
-        if not group:
-            return
-        yield group
-
-
-def _counted(
-    batches: Iterator[Any], flags: np.ndarray | None, seen: int
-) -> Iterator[tuple[Any, int, torch.Tensor | None]]:
-    """(batch, size, pad mask or None) for each batch; ``flags`` marks pads by position in the
-    rank's epoch order, from ``seen`` on; a batch's own ``__pad__`` wins."""
-    for batch in batches:
-        size = _batch_size(batch)
-        if isinstance(batch, Mapping) and "__pad__" in batch:
-            pads = torch.as_tensor(batch["__pad__"], dtype=torch.bool).reshape(-1)
-        elif flags is not None:
-            pads = torch.as_tensor(flags[seen : seen + size])
-        else:
-            pads = None
-        seen += size
-        yield batch, size, pads if pads is not None and bool(pads.any()) else None
-
-
-def _epoch_ids(loader: DataLoader) -> np.ndarray | None:
-    """The global sample ids of this rank's epoch, in order, when the sampler says them."""
-    sampler = loader.sampler
-    if isinstance(loader.dataset, RankCache):
-        return loader.dataset.ids[np.fromiter(sampler, dtype=np.int64)]
-    if isinstance(sampler, DistributedSampler):
-        return np.fromiter(sampler, dtype=np.int64)
-    return None
-
-
-def _pad_flags(loader: DataLoader) -> np.ndarray | None:
-    """True for the repeats in this rank's epoch order (None when there are none): a
-    ``DistributedSampler`` appends them (positions past the dataset, then split rank::world),
-    the rank cache flags them."""
-    sampler, flags = loader.sampler, None
-    if isinstance(loader.dataset, RankCache):
-        flags = loader.dataset.pads[np.fromiter(sampler, dtype=np.int64)]
-    elif isinstance(sampler, DistributedSampler) and not sampler.drop_last:
-        real = len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
-        flags = np.arange(len(sampler)) >= real
-    return flags if flags is not None and flags.any() else None
-
-
-def _batch_ids(
-    batch: Any, order: np.ndarray | None, start: int, size: int, distributed: bool
-) -> torch.Tensor:
-    """The sample ids of a batch: its ``__index__``, the sampler's, or (one process) its
-    positions in the loader's order."""
-    if isinstance(batch, Mapping) and "__index__" in batch:
-        return torch.as_tensor(batch["__index__"], dtype=torch.int64).reshape(-1)
-    if order is None and not distributed:
-        return torch.arange(start, start + size)
-    if order is None:
-        raise ValueError("predict under DDP needs sample ids: a map-style dataset, a "
-                         "DataLoader over a DistributedSampler, or dict batches with "
-                         "'__index__'")  # fmt: skip
-    return torch.as_tensor(order[start : start + size])
-
-
-def _set_epoch(loader: DataLoader, epoch: int) -> None:
-    """Tell the sampler and the dataset the epoch (each that has ``set_epoch``)."""
-    batch_sampler = getattr(loader.batch_sampler, "sampler", None)
-    for holder in (loader.sampler, batch_sampler, loader.dataset):
-        if hasattr(holder, "set_epoch"):
-            holder.set_epoch(epoch)
-
-
-def _iterate(loader: DataLoader) -> Iterator[Any]:
-    """``iter(loader)``, leaving the global generator as it was when it starts persistent
-    workers. A DataLoader draws its workers' base seed from that generator when it starts
-    them: at the first epoch with persistent workers, at every epoch without. A resumed run
-    starts them at a later epoch, and the draw would shift its random stream (dropout...)."""
-    starts = loader.persistent_workers and loader.num_workers > 0 and loader._iterator is None
-    if not starts:
-        return iter(loader)
-    with torch.random.fork_rng(devices=[]):
-        return iter(loader)
-
-
-def _resumed(loader: DataLoader, resume: dict[str, Any], skip: int) -> tuple[Iterator[Any], int]:
-    """``loader``'s batches from batch ``skip`` of the epoch on, and the batch this rank is at:
-    from the loader's saved state, from a stream state merged over workers (another world
-    size: the rest is split again, so the rank is at its epoch's batches less those left), or
-    by replaying the sampler."""
-    if resume.get("dataset") is not None:
-        epoch_batches = len(loader)
-        loader.dataset.load_state_dict(resume["dataset"])
-        at = epoch_batches - len(loader)  # before iterating: that starts the pass
-        return _iterate(loader), at
-    if resume["loader"] is not None:
-        loader.load_state_dict(resume["loader"])
-        return _iterate(loader), skip
-    if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
-        batches = _iterate(loader)
-        for _ in islice(batches, skip):  # no sampler to replay: read and drop
-            pass
-        return batches, skip
-    # DataLoader draws its worker seed before the sampler draws its order: draw it too, so
-    # a sampler on the global generator (RandomSampler) replays the same order.
-    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
-    rest = list(islice(iter(loader.batch_sampler), skip, None))
-    replay = DataLoader(
-        loader.dataset, batch_sampler=rest, num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn, generator=loader.generator,
-        multiprocessing_context=loader.multiprocessing_context,
-        prefetch_factor=loader.prefetch_factor,
-    )  # fmt: skip
-    return iter(replay), skip
-
-
-def _length(loader: DataLoader) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        return _batch_size(
-            batch["__index__"] if "__index__" in batch else next(iter(batch.values()))
-        )
-    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], (torch.Tensor, Mapping)):
-        return _batch_size(batch[0])
-    if isinstance(batch, (list, tuple, np.ndarray)):
-        return len(batch)
-    raise ValueError(f"cannot tell the batch size of a {type(batch).__name__} batch")
-
-
-def _split(batch: Any) -> tuple[Any, Any]:
-    """(inputs, target): ``(x, y, ...)`` gives ``(x, y)``; anything else is both."""
-    if isinstance(batch, (list, tuple)):
-        return batch[0], batch[1] if len(batch) > 1 else batch[0]
-    return batch, batch
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {key: _to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(value, device) for value in batch)
-    return batch
-
-
-def _select(batch: Any, keep: torch.Tensor) -> Any:
-    """The rows ``keep`` of every tensor and per-sample list of ``batch``."""
-    if isinstance(batch, torch.Tensor):
-        return batch[keep.to(batch.device)]
-    if isinstance(batch, Mapping):
-        return {key: _select(value, keep) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], (torch.Tensor, Mapping)):
-        return type(batch)(_select(value, keep) for value in batch)
-    if isinstance(batch, (list, tuple)):
-        return [value for value, kept in zip(batch, keep.tolist()) if kept]
-    return batch
-
-
-def _weighted(value: torch.Tensor, weight: float) -> torch.Tensor:
-    """``value * weight``; ``value`` itself for a weight of 1 (a group of one batch), which saves
-    the step an operation, and the backward a node, for nothing."""
-    return value if weight == 1 else value * weight
-
-
-def _detached(output: Any) -> Any:
-    return output.detach() if isinstance(output, torch.Tensor) else output
-
-
-def _means(sums: list[float], metrics: int) -> tuple[float, list[float]]:
-    """(loss, metrics) from [loss x count, count, metric x count...] sums ([] for none)."""
-    loss_sum, count, *rest = sums + [0.0] * (2 + metrics - len(sums))
-    mean = [value / count if count else math.nan for value in (loss_sum, *rest)]
-    return mean[0], mean[1:]
-
-
-@contextmanager
-def _eval_mode(module: nn.Module) -> Iterator[None]:
-    was_training = module.training
-    module.eval()
-    try:
-        yield
-    finally:
-        module.train(was_training)
-
-
-def _describe(logs: Mapping[str, Any], epochs: int) -> str:
-    figures = ", ".join(
-        f"{name} {value:.4g}" for name, value in logs.items()
-        if value is not None and name not in ("epoch", "step", "samples_per_s", "data_wait")
-        and not name.startswith("data_")
-    )  # fmt: skip
-    speed = logs["samples_per_s"]
-    tail = "" if speed is None else f" | {speed:.0f} samples/s, data wait {logs['data_wait']:.0%}"
-    return f"epoch {logs['epoch']}/{epochs}: {figures}{tail}"
-
-

@@ -33,6 +33,7 @@ __all__ = [
     "PREEMPTED_EXIT_CODE",
     "PREEMPTED_RECORD_ENV",
     "PREEMPTION_SIGNALS",
+    "Preemption",
     "SignalFlag",
     "catch_signals",
     "exit_now",
@@ -94,6 +95,45 @@ def catch_signals(enabled: bool = True) -> Iterator[SignalFlag]:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+
+
+class Preemption:
+    """A run's answer to a preemption signal: every rank saves ``path`` at the same step, rank 0
+    requeues the Slurm job with ``requeue``, then every rank exits with
+    :data:`PREEMPTED_EXIT_CODE`; without a ``path`` signals keep their usual effect.
+
+    Attributes:
+        flag: set by SIGUSR1 or SIGTERM while :meth:`signals_caught` is active.
+    """
+
+    def __init__(self, path: str | None = None, requeue: bool = False) -> None:
+        self.path, self.requeue = path, requeue
+        self.flag = SignalFlag()
+
+    @contextmanager
+    def signals_caught(self) -> Iterator[None]:
+        """While inside, SIGUSR1 and SIGTERM only set :attr:`flag` (when there is a path)."""
+        with catch_signals(enabled=self.path is not None) as self.flag:
+            yield
+
+    def stop(self, rank: int, step: int, ranks: list[int], save: Callable[[str], None]) -> None:
+        """Say so, ``save(path)`` (call it on every rank: a checkpoint is a collective),
+        requeue from rank 0, and exit; ``ranks`` are those signalled."""
+        print(f"rank {rank}: signal received on rank(s) {ranks}; saving {self.path} at step "
+              f"{step} and exiting with code {PREEMPTED_EXIT_CODE}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        save(self.path)
+        if self.requeue and rank == 0:
+            requeue()
+        exit_preempted(rank)
+
+    def interrupted(self, rank: int, step: int, epoch: int, batch: int) -> str:
+        """Where a Ctrl-C stopped this rank (``epoch`` counted from 0), and the checkpoint
+        that a run resumes from."""
+        path = self.path
+        saved = f"last checkpoint {path}" if path and os.path.exists(path) else "no checkpoint"
+        return (f"rank {rank}: interrupted at step {step} (epoch {epoch + 1}, batch {batch}); "
+                f"{saved}")  # fmt: skip
 
 
 def follow_launcher() -> None:

@@ -8,7 +8,9 @@ plain line every ``every`` batches and at the epoch's last, by default about ten
     epoch 2/5 batch 120/400 loss 0.4312 3.1k samples/s
 
 (the loss of the last step, the samples over all ranks per second since the previous line).
-The environment variable ``TQDM_DISABLE`` (any value, as tqdm reads it) silences both.
+The environment variable ``TQDM_DISABLE`` (any value, as tqdm reads it) silences both. After
+the epoch, its summary (:func:`epoch_summary`) goes to the handler's ``log_fn`` instead: it is
+the run's record, not its progress, and belongs in a log whatever stderr is.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Mapping
 from types import TracebackType
+from typing import Any
 
 from tqdm.auto import tqdm
 from tqdm.autonotebook import tqdm as auto_tqdm
 from tqdm.std import tqdm as std_tqdm
 
 from nnh_data.checks import check_int
+from nnh_data.streaming.stats import describe as describe_data
 
-__all__ = ["LINES_PER_EPOCH", "UNKNOWN_TOTAL_EVERY", "EpochProgress"]
+__all__ = ["LINES_PER_EPOCH", "UNKNOWN_TOTAL_EVERY", "EpochProgress", "epoch_summary"]
 
 LINES_PER_EPOCH = 10
 """Plain lines per epoch by default: one every ``max(1, batches // 10)`` batches."""
@@ -99,3 +104,26 @@ def _interactive() -> bool:
 
 def _every(total: int | None) -> int:
     return UNKNOWN_TOTAL_EVERY if total is None else max(1, total // LINES_PER_EPOCH)
+
+
+def epoch_summary(logs: Mapping[str, Any], epochs: int) -> list[str]:
+    """The lines that sum up an epoch of ``epochs`` from its ``epoch_logs``: its figures and
+    speed, then a streaming dataset's figures (``data_*``, over all ranks) when it has them.
+
+    Example:
+        >>> epoch_summary({"epoch": 2, "step": 10, "train_loss": 0.51, "val_loss": None,
+        ...                "samples_per_s": 1200.0, "data_wait": 0.25}, 5)
+        ['epoch 2/5: train_loss 0.51 | 1200 samples/s, data wait 25%']
+    """
+    figures = ", ".join(
+        f"{name} {value:.4g}" for name, value in logs.items()
+        if value is not None and name not in ("epoch", "step", "samples_per_s", "data_wait")
+        and not name.startswith("data_")
+    )  # fmt: skip
+    speed = logs["samples_per_s"]
+    tail = "" if speed is None else f" | {speed:.0f} samples/s, data wait {logs['data_wait']:.0%}"
+    lines = [f"epoch {logs['epoch']}/{epochs}: {figures}{tail}"]
+    if "data_samples" in logs:
+        data = {k[5:]: v for k, v in logs.items() if k.startswith("data_") and k != "data_wait"}
+        lines.append(describe_data(data))
+    return lines

@@ -23,9 +23,18 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
-__all__ = ["LOCK_NAME", "RunDirLockedError", "acquire_run_dirs", "release_run_dirs"]
+from nnh_train.ddp_decorators import on_rank
+
+__all__ = [
+    "LOCK_NAME",
+    "RunDirLockedError",
+    "acquire_run_dirs",
+    "release_run_dirs",
+    "run_dirs_held",
+]
 
 LOCK_NAME = ".nnh-run.lock"
 
@@ -69,6 +78,20 @@ def release_run_dirs(folders: Iterable[str | os.PathLike]) -> None:
             else:
                 del _held[key]
                 os.close(fd)  # drops the record lock
+
+
+@contextmanager
+def run_dirs_held(folders: Iterable[str], rank: int) -> Iterator[None]:
+    """Hold ``folders`` for a run, as the rank ``rank`` of it: rank 0 locks them and every rank
+    raises its error (call it on every rank), and rank 0 unlocks them after."""
+    folders = sorted(set(folders))
+    if folders:
+        on_rank(0)(acquire_run_dirs)(folders)
+    try:
+        yield
+    finally:
+        if folders and rank == 0:
+            release_run_dirs(folders)
 
 
 def _acquire(folder: str | os.PathLike) -> None:

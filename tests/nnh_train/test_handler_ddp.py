@@ -60,7 +60,7 @@ def _history(rank: int, world_size: int) -> dict:
 def _fp16(rank: int, world_size: int) -> dict:
     h = make(batch_size=4, lr=0.05)
     h.train(2, precision="fp16")
-    return {**summary(h), "scale": h._scaler.get_scale()}
+    return {**summary(h), "scale": h._stepper.scaler.get_scale()}
 
 
 def _nan(rank: int, world_size: int) -> dict:

@@ -18,6 +18,7 @@ from nnh_train.preemption import (
     PREEMPTED_EXIT_CODE,
     PREEMPTED_RECORD_ENV,
     PREEMPTION_SIGNALS,
+    Preemption,
     catch_signals,
 )
 from tests.support import ROOT
@@ -101,3 +102,33 @@ def test_a_launched_process_gets_sigterm_when_its_parent_dies(tmp_path):
     while not term.exists():
         assert time.monotonic() < deadline, "the child did not get SIGTERM"
         time.sleep(0.05)
+
+
+def test_a_run_without_a_path_leaves_signals_alone_and_says_no_checkpoint(tmp_path):
+    before = signal.getsignal(signal.SIGUSR1)
+    preemption = Preemption()
+    with preemption.signals_caught():
+        assert signal.getsignal(signal.SIGUSR1) == before and not preemption.flag
+    assert preemption.interrupted(1, 7, 0, 3) == (
+        "rank 1: interrupted at step 7 (epoch 1, batch 3); no checkpoint")
+    path = tmp_path / "last.pt"
+    path.write_bytes(b"")
+    with_path = Preemption(str(path))
+    with with_path.signals_caught():
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert with_path.flag.received == signal.SIGUSR1
+    assert signal.getsignal(signal.SIGUSR1) == before
+    assert with_path.interrupted(0, 7, 2, 0).endswith(f"(epoch 3, batch 0); last checkpoint {path}")
+
+
+@pytest.mark.timeout(60)
+def test_a_preempted_rank_says_so_saves_and_exits(tmp_path):
+    proc = run_python(f"""
+        from nnh_train.preemption import Preemption
+        saved = []
+        Preemption({str(tmp_path / "last.pt")!r}).stop(1, 12, [0, 1], saved.append)
+    """)
+    out, err = proc.communicate(timeout=50)
+    assert proc.returncode == PREEMPTED_EXIT_CODE
+    assert err == (f"rank 1: signal received on rank(s) [0, 1]; saving {tmp_path / 'last.pt'} "
+                   f"at step 12 and exiting with code {PREEMPTED_EXIT_CODE}\n")

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from nnh_train.progress import EpochProgress
+from nnh_train.progress import EpochProgress, epoch_summary
 from tests.support import SCRIPTS
 
 LAUNCH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -84,3 +84,25 @@ def test_a_handler_job_piped_prints_plain_lines(tmp_path):
     assert "\r" not in done.stderr
     found = [(int(e), int(b)) for e, b in re.findall(LINE, done.stderr)]  # 24 batches an epoch
     assert found == [(epoch, batch) for epoch in (1, 2, 3) for batch in range(2, 25, 2)]
+
+
+DATA = {"data_samples": 24, "data_bytes": 1e5, "data_read_s": 0.5, "data_decode_s": 0.25,
+        "data_params_s": 0.0, "data_wait_s": 0.1, "data_gets": 0, "data_retries": 0,
+        "data_cache_hits": 0, "data_cache_misses": 0, "data_cache_evictions": 0,
+        "data_skipped": 0}  # fmt: skip
+
+
+@pytest.mark.parametrize("logs, lines", [
+    ({"epoch": 1, "step": 5, "train_loss": 3.97512, "train_mae": 1.6, "val_loss": None,
+      "val_mae": None, "samples_per_s": 1234.4, "data_wait": 0.123},
+     ["epoch 1/3: train_loss 3.975, train_mae 1.6 | 1234 samples/s, data wait 12%"]),
+    ({"epoch": 2, "step": 9, "train_loss": 2.0, "val_loss": 1.5, "samples_per_s": None,
+      "data_wait": None}, ["epoch 2/3: train_loss 2, val_loss 1.5"]),
+    ({"epoch": 3, "step": 9, "train_loss": 2.0, "samples_per_s": 10.0, "data_wait": 0.5, **DATA},
+     ["epoch 3/3: train_loss 2 | 10 samples/s, data wait 50%",
+      "data: 24 samples, 0.1 MB read; reading 0.50 s, decoding 0.25 s, parameters 0.00 s, "
+      "loop waiting 0.10 s; 0 GETs, 0 retries; cache 0 hits, 0 misses, 0 evictions; "
+      "0 skipped"]),
+])  # fmt: skip
+def test_epoch_summary(logs, lines):
+    assert epoch_summary(logs, 3) == lines

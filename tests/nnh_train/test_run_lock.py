@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from nnh_train import ModelCheckpoint, NNHandler, RunDirLockedError
-from nnh_train.run_lock import acquire_run_dirs, release_run_dirs
+from nnh_train.run_lock import acquire_run_dirs, release_run_dirs, run_dirs_held
 from tests.support import ROOT, Net, data
 
 FIRST_RUN = """
@@ -102,3 +102,15 @@ def test_a_refused_folder_leaves_the_others_unlocked(tmp_path):
         held.kill()
         held.wait()
         held.stdout.close()
+
+
+
+def test_a_run_holds_its_folders_until_it_ends(tmp_path):
+    folder = str(tmp_path / "run")
+    with run_dirs_held([folder, folder], rank=0):  # callbacks sharing a folder: held once
+        script = f"from nnh_train.run_lock import acquire_run_dirs; acquire_run_dirs([{folder!r}])"
+        held = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)  # fmt: skip
+        assert held.returncode != 0 and "RunDirLockedError" in held.stderr
+    acquire_run_dirs([folder])  # released: free again
+    release_run_dirs([folder])
