@@ -33,8 +33,8 @@ from torch.utils.data import (
 
 from nnh_data.checks import check_choice, check_int
 from nnh_data.loaders.distributed import WORKER_KEYS, default_num_workers, loader_kwargs_checked
-from nnh_data.resplit_guard import check_caller
 from nnh_data.order.epoch import UNEVEN, hashed_permutation, rank_span
+from nnh_data.resplit_guard import check_caller
 from nnh_data.seeding import mix64_int, stream_key
 from nnh_data.streaming.dataset import ShardedStreamingDataset
 from nnh_data.topology import dist_info

@@ -25,7 +25,6 @@ from torch.utils.data import IterableDataset
 
 from nnh_data.augment.params import AugmentationConfig
 from nnh_data.checks import check_choice, check_int
-from nnh_data.resplit_guard import check_caller
 from nnh_data.order.epoch import UNEVEN
 from nnh_data.order.mixing import Source
 from nnh_data.order.resume import (
@@ -33,6 +32,7 @@ from nnh_data.order.resume import (
     state_from_loader,
 )
 from nnh_data.precompute.read import PrecomputedParams
+from nnh_data.resplit_guard import check_caller
 from nnh_data.seeding import MASK64
 from nnh_data.shards.index import ShardIndex
 from nnh_data.streaming.arguments import (
