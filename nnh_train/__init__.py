@@ -11,7 +11,7 @@ from nnh_train.callbacks import (
     ModelCheckpoint,
     TensorBoardLogger,
 )
-from nnh_train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from nnh_train.checkpoint import load_checkpoint, save_checkpoint
 from nnh_train.compat import DataLoaderType, LoggingMode, ModelType
 from nnh_train.dd_helpers import (
     aggregate_loss,
@@ -25,15 +25,15 @@ from nnh_train.dd_helpers import (
 )
 from nnh_train.ddp_decorators import on_rank
 from nnh_train.ddp_init import DEFAULT_TIMEOUT, DistInfo, get_dist_info, initialize_ddp
-from nnh_train.handler import PREEMPTED_EXIT_CODE, NNHandler
-from nnh_train.outcome import RankError
-from nnh_train.parallel import (
-    ParallelExecutor,
+from nnh_train.errors import (
+    CheckpointError,
+    NNHError,
+    RankError,
+    RunDirLockedError,
     WorkerError,
-    parallel_on_all_devices,
-    parallelize_on_gpus,
 )
-from nnh_train.run_lock import RunDirLockedError
+from nnh_train.handler import PREEMPTED_EXIT_CODE, NNHandler
+from nnh_train.parallel import ParallelExecutor, parallel_on_all_devices, parallelize_on_gpus
 from nnh_train.slurm import expand_slurm_nodelist, expand_tasks_per_node
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "LoggingMode",
     "ModelCheckpoint",
     "ModelType",
+    "NNHError",
     "NNHandler",
     "ParallelExecutor",
     "RankError",

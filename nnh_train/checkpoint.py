@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from nnh_train.errors import CheckpointError
+
 __all__ = [
     "CheckpointError",
     "load_checkpoint",
@@ -38,10 +40,6 @@ __all__ = [
 ]
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint file that cannot be read: truncated, corrupt or holding code objects."""
 
 
 def save_checkpoint(state: Mapping[str, Any], path: str | os.PathLike) -> None:

@@ -13,24 +13,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from nnh_train.errors import RankError
+
 __all__ = ["Outcome", "RankError", "pack_error", "pack_value"]
-
-
-class RankError(RuntimeError):
-    """An error that happened on ``rank``, raised on every rank of the group.
-
-    ``traceback_text`` is the original traceback; ``__cause__`` is the original exception when it
-    could cross processes (pickled and unpickled), else ``None``.
-    """
-
-    def __init__(self, message: str, rank: int, traceback_text: str) -> None:
-        super().__init__(f"{message}\n{traceback_text}")
-        self.message = message
-        self.rank = rank
-        self.traceback_text = traceback_text
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.message, self.rank, self.traceback_text)
 
 
 @dataclass(frozen=True)

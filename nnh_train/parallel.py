@@ -20,16 +20,13 @@ import torch
 import torch.multiprocessing as mp
 
 from nnh_data.checks import check_int
+from nnh_train.errors import WorkerError
 
 __all__ = ["ParallelExecutor", "WorkerError", "parallel_on_all_devices", "parallelize_on_gpus"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _GRACE_S = 5.0  # how long the other workers get to exit once one has failed
 _TARGET = "_nnh_parallel_target"  # attribute holding the function a parallelize wrapper runs
-
-
-class WorkerError(RuntimeError):
-    """A worker of :class:`ParallelExecutor` raised (its traceback follows) or died."""
 
 
 class ParallelExecutor:

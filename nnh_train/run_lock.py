@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from nnh_train.ddp_decorators import on_rank
+from nnh_train.errors import RunDirLockedError
 
 __all__ = [
     "LOCK_NAME",
@@ -40,10 +41,6 @@ LOCK_NAME = ".nnh-run.lock"
 
 _held: dict[str, tuple[int, int]] = {}  # real folder path -> (descriptor, count)
 _guard = threading.Lock()
-
-
-class RunDirLockedError(RuntimeError):
-    """Another live process holds the run directory."""
 
 
 def acquire_run_dirs(folders: Iterable[str | os.PathLike]) -> None:

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from nnh_train.checkpoint import (
-    CheckpointError,
     load_checkpoint,
     load_model_state,
     rng_state,
@@ -18,6 +17,7 @@ from nnh_train.checkpoint import (
     set_rng_state,
     strip_prefixes,
 )
+from nnh_train.errors import CheckpointError
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from nnh_train.outcome import Outcome, RankError, pack_error, pack_value
+from nnh_train.errors import RankError
+from nnh_train.outcome import Outcome, pack_error, pack_value
 from tests.support import Unrebuildable
 
 

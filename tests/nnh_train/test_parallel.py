@@ -10,12 +10,8 @@ import signal
 import pytest
 import torch
 
-from nnh_train.parallel import (
-    ParallelExecutor,
-    WorkerError,
-    parallel_on_all_devices,
-    parallelize_on_gpus,
-)
+from nnh_train.errors import WorkerError
+from nnh_train.parallel import ParallelExecutor, parallel_on_all_devices, parallelize_on_gpus
 
 CUDA = torch.cuda.is_available()
 WORKER_DEVICES = (
