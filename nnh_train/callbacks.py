@@ -17,10 +17,10 @@ from __future__ import annotations
 import csv
 import math
 import os
-import tempfile
 import warnings
 from typing import Any, Protocol
 
+from nnh_data.atomic import atomic_write
 from nnh_data.checks import check_choice, check_int
 
 __all__ = [
@@ -234,14 +234,10 @@ def _read_csv(path: str, rows: bool = True) -> tuple[list[str], list[dict[str, s
 
 def _write_csv(path: str, fields: list[str], rows: list[dict[str, Any]]) -> None:
     """Replace ``path`` by these rows at once (a temporary file renamed over it)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".csv-", suffix=".tmp")
-    with os.fdopen(handle, "w", newline="") as fh:
+    with atomic_write(path, "w") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields, restval="")
         writer.writeheader()
         writer.writerows(rows)
-    os.replace(temporary, path)
 
 
 def _step_of(row: dict[str, str]) -> float:

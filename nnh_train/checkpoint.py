@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import pickle
 import random
-import tempfile
 import zipfile
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nnh_data.atomic import atomic_write
 from nnh_train.errors import CheckpointError
 
 __all__ = [
@@ -48,32 +48,9 @@ def save_checkpoint(state: Mapping[str, Any], path: str | os.PathLike) -> None:
     Example:
         >>> save_checkpoint({"model": model.state_dict(), "epoch": 3}, "runs/last.pt")
     """
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(
-        dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
-    )
-    try:
-        with os.fdopen(handle, "wb") as fh:
-            torch.save(dict(state), fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
-    _fsync_folder(folder)
+    with atomic_write(path, fsync=True) as file:
+        torch.save(dict(state), file)
 
-
-def _fsync_folder(folder: str) -> None:
-    """Make the rename durable: the folder entry is flushed like the file's bytes."""
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
