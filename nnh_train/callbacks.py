@@ -24,15 +24,20 @@ from nnh_data.atomic import atomic_write
 from nnh_data.checks import check_choice, check_int
 
 __all__ = [
+    "HOOKS",
     "Callback",
     "CSVLogger",
     "EarlyStopping",
     "ModelCheckpoint",
     "TensorBoardLogger",
     "Trainer",
+    "call_hook",
+    "checked_callback",
+    "run_dirs_of",
 ]
 
 _MODES = ("min", "max")
+HOOKS = ("on_train_begin", "on_epoch_begin", "on_batch_end", "on_epoch_end", "on_train_end")
 
 
 class Trainer(Protocol):
@@ -75,6 +80,32 @@ class Callback:
         """The folders this callback writes: :meth:`NNHandler.train` locks them on rank 0 for
         the run, so a second run on one of them is refused (:mod:`nnh_train.run_lock`)."""
         return []
+
+
+def checked_callback(callback: Any) -> Any:
+    """``callback`` when it is a :class:`Callback` or has at least one of :data:`HOOKS` as a
+    method (a duck-typed callback: the hooks it lacks are skipped, and it writes no run folder
+    unless it has ``run_dirs``); otherwise a ``ValueError`` naming the hooks."""
+    if isinstance(callback, Callback) or any(callable(getattr(callback, h, None)) for h in HOOKS):
+        return callback
+    raise ValueError(
+        f"callback must be an nnh_train.Callback or have at least one of the hooks "
+        f"{', '.join(HOOKS)}, got {type(callback).__name__} with none of them"
+    )
+
+
+def call_hook(callback: Any, hook: str, handler: Trainer) -> None:
+    """Call ``callback``'s ``hook`` with the handler, if it has that hook."""
+    method = getattr(callback, hook, None)
+    if method is not None:
+        method(handler)
+
+
+def run_dirs_of(callback: Any) -> list[str]:
+    """The folders ``callback`` writes (:meth:`Callback.run_dirs`; none for a duck-typed
+    callback without that method)."""
+    run_dirs = getattr(callback, "run_dirs", None)
+    return list(run_dirs()) if callable(run_dirs) else []
 
 
 def _improved(value: float, best: float, mode: str, min_delta: float = 0.0) -> bool:

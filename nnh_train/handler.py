@@ -62,7 +62,13 @@ from nnh_train.batches import (
     pad_flags,
     set_epoch,
 )
-from nnh_train.callbacks import Callback, ModelCheckpoint
+from nnh_train.callbacks import (
+    Callback,
+    ModelCheckpoint,
+    call_hook,
+    checked_callback,
+    run_dirs_of,
+)
 from nnh_train.checkpoint import load_model_state
 from nnh_train.compat import (
     ClassOrInstanceMethod,
@@ -266,8 +272,9 @@ class NNHandler(OriginalAPI):
         self._history.add_metric(name)
 
     def add_callback(self, callback: Callback) -> None:
-        """Call ``callback``'s hooks during :meth:`train` (see :mod:`nnh_train.callbacks`)."""
-        self.callbacks.append(callback)
+        """Call ``callback``'s hooks during :meth:`train` (see :mod:`nnh_train.callbacks`): a
+        :class:`~nnh_train.Callback`, or any object with some of its five hooks."""
+        self.callbacks.append(checked_callback(callback))
 
     def set_train_loader(
         self, dataset: Dataset | DataLoader, batch_size: int | None = None, cache: bool = False,
@@ -369,7 +376,7 @@ class NNHandler(OriginalAPI):
             self.load_state(resume)
         self.should_stop = False
         with (
-            run_dirs_held([d for c in self.callbacks for d in c.run_dirs()], self.rank),
+            run_dirs_held([d for c in self.callbacks for d in run_dirs_of(c)], self.rank),
             preemption.signals_caught(),
             reported_interrupt(lambda: preemption.interrupted(self.rank, self.step, self.epoch,
                                                               self._running.batches)),
@@ -614,7 +621,7 @@ class NNHandler(OriginalAPI):
 
     def _call(self, hook: str) -> None:
         for callback in self.callbacks:
-            getattr(callback, hook)(self)
+            call_hook(callback, hook, self)
 
     def _log(self, line: str) -> None:
         if self.rank == 0:

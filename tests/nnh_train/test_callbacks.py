@@ -136,3 +136,45 @@ def test_nnh_train_modules_import_each_other_without_a_circle():
 
     for module in modules:
         visit(module, ())
+
+
+class KeyRecorder:
+    """A callback written without nnh_train.Callback: the five hooks, no run_dirs."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def on_train_begin(self, handler) -> None:
+        self.calls.append("train_begin")
+
+    def on_epoch_begin(self, handler) -> None:
+        self.calls.append("epoch_begin")
+
+    def on_batch_end(self, handler) -> None:
+        self.calls.append("batch_end")
+
+    def on_epoch_end(self, handler) -> None:
+        self.calls.append("epoch_end")
+
+    def on_train_end(self, handler) -> None:
+        self.calls.append("train_end")
+
+
+class EpochsOnly:
+    def on_epoch_end(self, handler) -> None:
+        self.epochs = handler.epoch
+
+
+def test_duck_typed_callbacks_are_called_and_missing_hooks_skipped():
+    h, recorder, epochs = handler(), KeyRecorder(), EpochsOnly()
+    h.add_callback(recorder)
+    h.add_callback(epochs)
+    h.train(2)
+    assert recorder.calls == ["train_begin", *(["epoch_begin", *["batch_end"] * 5, "epoch_end"]
+                                                * 2), "train_end"]  # fmt: skip
+    assert epochs.epochs == 2
+
+
+def test_an_object_with_no_hook_is_refused_at_add_callback():
+    with pytest.raises(ValueError, match="at least one of the hooks on_train_begin.*got object"):
+        handler().add_callback(object())
