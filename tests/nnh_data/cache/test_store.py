@@ -1,9 +1,9 @@
-"""The node-local shard cache: the protocol with real processes and a real S3 API (moto on
-loopback)."""
+"""nnh_data.cache.store: the cache folder's bookkeeping (hits, misses, pins, eviction by the plans,
+claims of dead downloads, checks, the disk's limit), with real processes and a real S3 API (moto
+on loopback), the policy end to end, and the ``nnh-data cache`` command."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -12,20 +12,18 @@ import threading
 import time
 import warnings
 
-import fsspec
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from fsspec.implementations.local import LocalFileSystem
 
-from nnh_data.cache import store as shard_cache
-from nnh_data.cache.policy import read_schedule, shard_key
+from nnh_data.cache import download as cache_download
+from nnh_data.cache import store as cache_store
+from nnh_data.cache.policy import (
+    read_schedule,
+    shard_key,
+)
 from nnh_data.cache.store import ShardCache
 from nnh_data.cli import main
-from nnh_data.errors import ShardError, StaleIndexError
-from nnh_data.shards import retries
-from nnh_data.shards.index import ShardInfo
-from nnh_data.shards.reading import build_shard_index
 from tests.nnh_data.cache.helpers import (
     FORK,
     child_main,
@@ -42,18 +40,12 @@ from tests.nnh_data.cache.helpers import (
     wait_until,
 )
 from tests.nnh_data.cache.test_policy import BAD_LIMITS
-from tests.support import run_forked, sample_bytes
+from tests.support import run_forked
 
 pytestmark = pytest.mark.timeout(120)
 
 
 # ---------------------------------------------------------------- arguments
-
-
-@pytest.mark.parametrize("bad", BAD_LIMITS)
-def test_a_bad_limit_names_cache_limit(bad, tmp_path):
-    with pytest.raises(ValueError, match="cache_limit"):
-        ShardCache(tmp_path, limit=bad if bad is not None else "none")
 
 
 def test_cache_dir_must_be_a_writable_folder(tmp_path):
@@ -67,6 +59,12 @@ def test_cache_dir_must_be_a_writable_folder(tmp_path):
     assert cache.stats()["files"] == 0 and cache.limit == 10**9
     with pytest.raises(ValueError, match="cache_prefetch"):
         cache.session(prefetch=-1)
+
+
+@pytest.mark.parametrize("bad", BAD_LIMITS)
+def test_a_bad_limit_names_cache_limit(bad, tmp_path):
+    with pytest.raises(ValueError, match="cache_limit"):
+        ShardCache(tmp_path, limit=bad if bad is not None else "none")
 
 
 # ---------------------------------------------------------------- hits, misses, pins
@@ -123,22 +121,6 @@ def test_a_pinned_shard_survives_eviction_and_a_full_cache_reads_around(tmp_path
         assert cache.stats()["around"] == 2 and cache.stats()["files"] == 2
 
 
-def test_a_discarded_copy_is_downloaded_again(tmp_path):
-    """After a read error on the cached copy, discard() removes it, even while another
-    reader still holds it open, and the next open() reads the remote once more."""
-    data = random_file(tmp_path / "s.tar", 3000)
-    info = slow_info(tmp_path / "s.tar")
-    cache = ShardCache(tmp_path / "cache")
-    with cache.session() as other, cache.session() as session:
-        held = other.open(info)
-        session.open(info)
-        session.discard(info)
-        assert cache.entries() == []
-        assert held.read() == data  # the other reader's open file is intact
-        assert read_shard(session, info) == data
-    assert cache.stats()["downloads"] == 2 and len(cache.entries()) == 1
-
-
 def test_plans_keep_what_a_reader_needs_next(tmp_path):
     """A demand read evicts the shard no plan needs soon, not the one another reader needs
     next."""
@@ -155,49 +137,7 @@ def test_plans_keep_what_a_reader_needs_next(tmp_path):
             assert {e.url for e in cache.entries()} == {infos[needed].url, infos[2].url}
 
 
-def test_prefetch_downloads_the_next_shard_under_its_cap(tmp_path):
-    data = [random_file(tmp_path / f"s{i}.tar", 1000) for i in range(3)]
-    infos = [slow_info(tmp_path / f"s{i}.tar") for i in range(3)]
-    cache = ShardCache(tmp_path / "cache", limit=8000)  # a quarter holds 2 shards
-    with cache.session(prefetch=1) as session:
-        session.set_plan(infos, [0, 10, 20])
-        assert read_shard(session, infos[0]) == data[0]
-        wait_until(lambda: len(cache.entries()) == 2)
-        session.advance(10)
-        assert read_shard(session, infos[1]) == data[1]
-        wait_until(lambda: len(cache.entries()) == 3)
-    assert cache.stats()["hits"] == 1 and cache.stats()["downloads"] == 3
-    small = ShardCache(tmp_path / "small", limit=3000)  # a quarter holds no shard
-    with small.session(prefetch=1) as session:
-        session.set_plan(infos, [0, 10, 20])
-        assert read_shard(session, infos[0]) == data[0]
-        time.sleep(0.5)
-    assert len(small.entries()) == 1
-
-
-# ---------------------------------------------------------------- failures
-
-
-def test_wrong_byte_count_raises_naming_the_url_and_leaves_nothing(tmp_path):
-    random_file(tmp_path / "s.tar", 1000)
-    info = slow_info(tmp_path / "s.tar", size=999)
-    cache = ShardCache(tmp_path / "cache")
-    with cache.session() as session, pytest.raises(ShardError, match="indexed 999") as caught:
-        session.open(info)
-    assert caught.value.url == info.url
-    assert part_names(cache.cache_dir) == [] and cache.entries() == []
-
-
-def test_a_stalled_download_is_aborted(tmp_path, monkeypatch):
-    random_file(tmp_path / "s.tar", 1000)
-    monkeypatch.setenv("NNH_TEST_READ_DELAY", "30")
-    monkeypatch.setattr(shard_cache, "STALL_SECONDS", 0.3)
-    cache = ShardCache(tmp_path / "cache")
-    info = slow_info(tmp_path / "s.tar")
-    with cache.session() as session, pytest.raises(ShardError, match="no progress") as caught:
-        session.open(info)
-    assert caught.value.url == info.url
-    assert part_names(cache.cache_dir) == [] and cache.entries() == []
+# ---------------------------------------------------------------- dead downloads, boots, the disk
 
 
 @pytest.mark.parametrize("waiter", [True, False])
@@ -206,7 +146,7 @@ def test_a_killed_download_leaves_no_entry(tmp_path, monkeypatch, waiter):
     the read; the part is gone after the next claim, or after verify()."""
     data = random_file(tmp_path / "s.tar", 1 << 20)
     monkeypatch.setenv("NNH_TEST_READ_DELAY", "0.05")
-    monkeypatch.setattr(shard_cache, "CHUNK_BYTES", 64 << 10)  # 16 slow reads
+    monkeypatch.setattr(cache_download, "CHUNK_BYTES", 64 << 10)  # 16 slow reads
     cache_dir = str(tmp_path / "cache")
     cache = ShardCache(cache_dir)
     info = slow_info(tmp_path / "s.tar")
@@ -260,104 +200,6 @@ def test_an_earlier_boots_copy_is_checked_before_use(tmp_path):
     assert "size 100" in problem and len(cache.entries()) == 1
 
 
-def test_a_released_plan_lives_for_the_grace_period(tmp_path, monkeypatch):
-    cache = ShardCache(tmp_path / "cache")
-    random_file(tmp_path / "s.tar", 10)
-    session = cache.session(prefetch=0)
-    session.set_plan([slow_info(tmp_path / "s.tar")], [0])
-    session.close()
-    plans = os.listdir(os.path.join(cache.cache_dir, "procs"))
-    assert len(plans) == 1 and cache.verify() == [] and len(os.listdir(cache._folder("procs")))
-    monkeypatch.setattr(shard_cache, "PLAN_GRACE_SECONDS", 0.0)
-    time.sleep(0.05)
-    cache.verify()
-    assert os.listdir(os.path.join(cache.cache_dir, "procs")) == []
-
-
-class FailingFileSystem(LocalFileSystem):
-    """Local files under ``failfile://`` whose reads always fail with a connection reset,
-    counted in ``reads`` (a transient error: tried again)."""
-
-    protocol = ("failfile",)
-    reads = 0
-
-    @classmethod
-    def _strip_protocol(cls, path):
-        path = str(path)
-        return super()._strip_protocol(path.removeprefix("failfile://"))
-
-    def cat_file(self, path, start=None, end=None, **kwargs):
-        FailingFileSystem.reads += 1
-        raise ConnectionResetError(104, "reset by the test")
-
-
-fsspec.register_implementation("failfile", FailingFileSystem, clobber=True)
-
-
-@pytest.fixture
-def failing(tmp_path, monkeypatch) -> list[ShardInfo]:
-    """Three shards whose downloads always fail, with retries that do not wait."""
-    monkeypatch.setattr(retries, "BACKOFF_S", 0.001)
-    FailingFileSystem.reads = 0
-    out = []
-    for i in range(3):
-        random_file(tmp_path / f"f{i}.tar", 1000)
-        out.append(ShardInfo(f"failfile://{tmp_path}/f{i}.tar", "tar", 1, size=1000, version="v"))
-    return out
-
-
-def test_a_failed_download_is_not_tried_again_by_its_session(failing, tmp_path):
-    """Its prefetch and then the read on demand: one round of attempts, one error."""
-    cache = ShardCache(tmp_path / "cache")
-    with cache.session(prefetch=1) as session:
-        session.set_plan(failing, [0, 5, 9])
-        wait_until(lambda: FailingFileSystem.reads == retries.ATTEMPTS)  # s1, ahead
-        time.sleep(0.1)
-        session.advance(5)
-        for _ in range(2):
-            with pytest.raises(ShardError, match="reset by the test.*gave up after 5 attempts"):
-                session.open(failing[1])
-    assert FailingFileSystem.reads == retries.ATTEMPTS
-    assert part_names(cache.cache_dir) == [] and cache.entries() == []
-
-
-def test_a_local_failure_reads_around_with_one_warning(tmp_path, monkeypatch):
-    """A disk full while a shard downloads: no error, the shard is read from the remote, the
-    part is gone, one warning per process names the cause."""
-    infos = []
-    for i in range(2):
-        random_file(tmp_path / f"s{i}.tar", 1000)
-        infos.append(slow_info(tmp_path / f"s{i}.tar"))
-
-    def disk_full(fd, data):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(shard_cache, "_write_all", disk_full)
-    monkeypatch.setattr(shard_cache, "_WARNED", set())
-    cache = ShardCache(tmp_path / "cache")
-    with cache.session() as session:
-        with pytest.warns(UserWarning, match=r"failed on this node \(\[Errno 28\] No space"):
-            assert session.open(infos[0]) is None
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert session.open(infos[1]) is None  # no second warning
-    assert cache.stats()["around"] == 2 and part_names(cache.cache_dir) == []
-
-
-def test_a_deleted_folder_is_laid_out_again(tmp_path):
-    data = random_file(tmp_path / "s.tar", 1000)
-    info = slow_info(tmp_path / "s.tar")
-    cache = ShardCache(tmp_path / "cache")
-    with cache.session() as session:
-        assert read_shard(session, info) == data
-    shutil.rmtree(cache.cache_dir)
-    with cache.session() as session:
-        session.set_plan([info], [0])
-        assert read_shard(session, info) == data
-    assert {"lock", "procs", "shards", "stats", "tmp"} <= set(os.listdir(cache.cache_dir))
-    assert [e.url for e in cache.entries()] == [info.url]
-
-
 def test_the_disk_caps_the_limit(tmp_path, monkeypatch):
     """``limit`` or what the disk can take (the free space plus what the cache holds, less a
     reserve of 1 GiB or a twentieth of a smaller disk), whichever is smaller."""
@@ -366,66 +208,10 @@ def test_the_disk_caps_the_limit(tmp_path, monkeypatch):
     with cache.session() as session:
         assert read_shard(session, slow_info(tmp_path / "s.tar")) == data
     disk = shutil._ntuple_diskusage(total=100_000, used=0, free=50_000)
-    monkeypatch.setattr(shard_cache.shutil, "disk_usage", lambda path: disk)
+    monkeypatch.setattr(cache_store.shutil, "disk_usage", lambda path: disk)
     assert cache.stats()["limit"] == 50_000 + 1000 - 5_000
     assert ShardCache(tmp_path / "cache", limit=10_000).stats()["limit"] == 10_000
     assert ShardCache(tmp_path / "cache").stats()["limit"] == 46_000
-
-
-def _hold_the_lock(cache: ShardCache, held: threading.Event, seconds: float) -> None:
-    with cache._node_lock():
-        held.set()
-        time.sleep(seconds)
-
-
-def _take_the_lock(cache_dir: str) -> None:
-    with ShardCache(cache_dir)._node_lock():
-        pass
-
-
-def test_a_fork_never_copies_a_held_node_lock(tmp_path):
-    """A fork while a thread holds the node lock waits for it: a child that inherited the
-    lock would hold it for as long as it lives, and block on it itself."""
-    cache = ShardCache(tmp_path / "cache")
-    held = threading.Event()
-    holder = threading.Thread(target=_hold_the_lock, args=(cache, held, 0.5))
-    holder.start()
-    held.wait(5)
-    child = FORK.Process(target=_take_the_lock, args=(cache.cache_dir,))
-    child.start()
-    child.join(timeout=20)
-    holder.join()
-    alive = child.is_alive()
-    if alive:
-        child.kill()
-        child.join()
-    assert not alive and child.exitcode == 0
-
-
-def _started_then_sleep(started, seconds: float) -> None:
-    started.set()
-    time.sleep(seconds)
-
-
-def test_a_forked_child_lets_go_of_the_parents_pins(tmp_path):
-    """A DataLoader worker forked while the main process reads through the cache does not
-    keep the main process's shards pinned."""
-    data = random_file(tmp_path / "s.tar", 1000)
-    info = slow_info(tmp_path / "s.tar")
-    cache = ShardCache(tmp_path / "cache")
-    with cache.session() as session:
-        assert session.open(info) is not None
-        started = FORK.Event()
-        child = FORK.Process(target=_started_then_sleep, args=(started, 30))
-        child.start()
-        try:
-            assert started.wait(20)
-            session.release(info)
-            assert cache.evict(info.url)
-        finally:
-            child.kill()
-            child.join()
-    assert cache.entries() == [] and len(data) == 1000
 
 
 # ---------------------------------------------------------------- many processes, S3
@@ -473,25 +259,6 @@ def test_the_folder_never_holds_more_than_the_limit(moto_s3, tar_shards, tmp_pat
     assert results == [expected] * 4
     assert 0 < peak[0] <= limit + size
     assert files_bytes(cache_dir) <= limit
-
-
-def test_a_shard_rewritten_with_the_same_size_is_read_anew(moto_s3, tar_shards, tmp_path):
-    (path,) = tar_shards([4], size=600)
-    options = moto_s3.storage_options
-    (old,) = s3_shards(moto_s3, [path], "rewritten")
-    before = open(path, "rb").read()
-    after = before.replace(sample_bytes(1, 600), sample_bytes(7, 600))  # a payload, not a header
-    assert len(after) == len(before) and after != before
-    fsspec.filesystem("s3", **options, skip_instance_cache=True).pipe(old.url, after)
-    (new,) = build_shard_index(old.url, storage_options=options).shards
-    assert new.size == old.size and new.version != old.version
-    cache = ShardCache(tmp_path / "cache")
-    with cache.session(storage_options=options) as session:
-        assert read_shard(session, new, options) == after
-        with pytest.raises(StaleIndexError) as caught:  # the old index must not get new bytes
-            session.open(old)
-    assert caught.value.url == old.url
-    assert [e.version for e in cache.entries()] == [new.version]
 
 
 def test_parquet_goes_through_the_cache(moto_s3, parquet_shards, tmp_path):
