@@ -1,5 +1,5 @@
-"""CacheSession (in nnh_data.cache.store for now): one reader's plan, pins and prefetch; failures
-of the remote (not tried again) and of the local folder (read around, one warning); forks."""
+"""nnh_data.cache.session: one reader's plan, pins and prefetch; failures of the remote (not tried
+again) and of the local folder (read around, one warning); forks."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from nnh_data.cache import download as cache_download
+from nnh_data.cache import session as cache_session
 from nnh_data.cache import store as cache_store
 from nnh_data.cache.store import ShardCache
 from nnh_data.errors import ShardError
@@ -147,7 +148,7 @@ def test_a_local_failure_reads_around_with_one_warning(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(cache_download, "write_all", disk_full)
-    monkeypatch.setattr(cache_store, "_WARNED", set())
+    monkeypatch.setattr(cache_session, "_WARNED", set())
     cache = ShardCache(tmp_path / "cache")
     with cache.session() as session:
         with pytest.warns(UserWarning, match=r"failed on this node \(\[Errno 28\] No space"):
