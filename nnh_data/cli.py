@@ -21,7 +21,8 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 
-from nnh_data.cache.store import ShardCache, read_schedule
+from nnh_data.cache.policy import read_schedule
+from nnh_data.cache.store import ShardCache
 from nnh_data.errors import ShardError
 from nnh_data.order.epoch import UNEVEN
 from nnh_data.order.ranges import DistributedRangeSplitter

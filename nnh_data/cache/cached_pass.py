@@ -19,7 +19,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from nnh_data.cache.store import CacheSession, ShardCache
+from nnh_data.cache.session import CacheSession
+from nnh_data.cache.store import ShardCache
 from nnh_data.columns import Columns
 from nnh_data.errors import ShardError
 from nnh_data.order.blocks import Block

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from nnh_data import ShardCache, ShardedStreamingDataset
+from nnh_data.cache.files import node_lock
 from tests.faults.conftest import PER_SHARD
 from tests.support import Fault
 
@@ -168,7 +169,7 @@ def test_the_folder_never_holds_more_than_the_limit(
 
     def sample() -> None:
         while not stop.wait(0.003):
-            with cache._node_lock():
+            with node_lock(cache.cache_dir):
                 peak[0] = max(peak[0], _bytes_held(cache_dir))
 
     sampler = threading.Thread(target=sample, daemon=True)

@@ -3,7 +3,7 @@
 Prints one JSON object.
 
 - Fetches on a demand trace. ``world_size`` ranks x ``num_workers`` DataLoader workers read 96
-  equal shards for 4 epochs in the real order (:func:`nnh_data.cache.store.read_schedule`);
+  equal shards for 4 epochs in the real order (:func:`nnh_data.cache.policy.read_schedule`);
   ranks advance in step and workers take turns, so worker ``k`` reads item ``t`` at global time
   ``t * num_workers + k``. A cache of 25% and 50% of the shards is simulated under LRU, under
   the cache's rule (Belady from the live plans: this epoch and the next, positions as read) and
@@ -50,14 +50,8 @@ import s3fs
 from common import best_rate  # tools/bench/common.py
 
 from nnh_data import ShardedStreamingDataset, streaming_loader
-from nnh_data.cache.store import (
-    Plan,
-    ShardCache,
-    choose_victims,
-    next_uses,
-    read_schedule,
-    shard_key,
-)
+from nnh_data.cache.policy import Plan, choose_victims, next_uses, read_schedule, shard_key
+from nnh_data.cache.store import ShardCache
 from nnh_data.order.epoch import worker_plan
 from nnh_data.shards.index import ShardIndex, ShardInfo, build_shard_index
 

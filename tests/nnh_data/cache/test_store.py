@@ -1,82 +1,51 @@
-"""The node-local shard cache: its pure policy as tables and on a demand trace, then the
-protocol with real processes and a real S3 API (moto on loopback)."""
+"""nnh_data.cache.store: the cache folder's bookkeeping (hits, misses, pins, eviction by the plans,
+claims of dead downloads, checks, the disk's limit), with real processes and a real S3 API (moto
+on loopback), the policy end to end, and the ``nnh-data cache`` command."""
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import importlib.util
 import json
-import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
-import traceback
 import warnings
 
-import fsspec
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from fsspec.core import url_to_fs
-from fsspec.implementations.local import LocalFileSystem
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from nnh_data.cache import store as shard_cache
-from nnh_data.cache.store import (
-    Plan,
-    ShardCache,
-    choose_victims,
-    next_uses,
-    parse_size,
+from nnh_data.cache import download as cache_download
+from nnh_data.cache import store as cache_store
+from nnh_data.cache.policy import (
     read_schedule,
     shard_key,
 )
+from nnh_data.cache.store import ShardCache
 from nnh_data.cli import main
-from nnh_data.errors import ShardError, StaleIndexError
-from nnh_data.order.epoch import EpochOrder, worker_plan
-from nnh_data.shards import retries
-from nnh_data.shards.index import ShardInfo
-from nnh_data.shards.reading import build_shard_index
-from tests.support import ROOT, run_forked, sample_bytes
+from tests.nnh_data.cache.helpers import (
+    FORK,
+    child_main,
+    digest,
+    files_bytes,
+    load_bench,
+    open_and_hold,
+    part_names,
+    random_file,
+    read_shard,
+    read_through_cache,
+    s3_shards,
+    slow_info,
+    wait_until,
+)
+from tests.nnh_data.cache.test_policy import BAD_LIMITS
+from tests.support import run_forked
 
 pytestmark = pytest.mark.timeout(120)
-_FORK = multiprocessing.get_context("fork")
-
-
-def _bench():
-    """``tools/bench/cache.py``: the demand trace and the policies simulated on it."""
-    if str(ROOT / "tools/bench") not in sys.path:
-        sys.path.append(str(ROOT / "tools/bench"))  # its helpers' module, as when it runs
-    spec = importlib.util.spec_from_file_location("bench_cache", ROOT / "tools/bench/cache.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------- arguments
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [("50GB", 50 * 10**9), ("1.5GiB", 3 << 29), ("10 kB", 10_000), ("7MiB", 7 << 20),
-     ("100", 100), (4096, 4096), ("2tb", 2 * 10**12), (".5KiB", 512)],
-)  # fmt: skip
-def test_parse_size(text, expected):
-    assert parse_size(text) == expected
-
-
-@pytest.mark.parametrize("bad", ["", "GB", "5 XB", "-1GB", "1e9", 0, -5, True, 1.5, None])
-def test_bad_limits_name_cache_limit(bad, tmp_path):
-    with pytest.raises(ValueError, match="cache_limit"):
-        parse_size(bad)
-    with pytest.raises(ValueError, match="cache_limit"):
-        ShardCache(tmp_path, limit=bad if bad is not None else "none")
 
 
 def test_cache_dir_must_be_a_writable_folder(tmp_path):
@@ -92,264 +61,23 @@ def test_cache_dir_must_be_a_writable_folder(tmp_path):
         cache.session(prefetch=-1)
 
 
-def test_keys_depend_on_url_size_and_version():
-    key = shard_key("s3://b/a.tar", 10, "ETag=1")
-    assert key == shard_key("s3://b/a.tar", 10, "ETag=1")
-    others = {shard_key("s3://b/b.tar", 10, "ETag=1"), shard_key("s3://b/a.tar", 11, "ETag=1"),
-              shard_key("s3://b/a.tar", 10, "ETag=2")}  # fmt: skip
-    assert key not in others and len(others) == 3
-
-
-# ---------------------------------------------------------------- the policy, pure
-
-
-def test_next_uses_table():
-    a = Plan(["x", "y", "x", "z"], np.array([0, 4, 8, 12]), position=4, num_workers=2)
-    b = Plan(["z", "y"], np.array([5, 9]), position=6, num_workers=1)
-    # x: a at 8 -> (8-4)*2 = 8; y: a at 4 -> 0 (b's 9 -> 3); z: a 16, b's 5 is past; w: never
-    assert next_uses([a, b], ["x", "y", "z", "w"]).tolist() == [8.0, 0.0, 16.0, np.inf]
-    assert next_uses([], ["x"]).tolist() == [np.inf]
-    assert next_uses([a], []).tolist() == []
-
-
-@pytest.mark.parametrize(
-    ("sizes", "uses", "need", "distance", "refused", "expected"),
-    [
-        ([1, 1, 1], [3, np.inf, 9], 1, 0, (), [1]),  # farthest first: never used again
-        ([1, 1, 1], [3, np.inf, 9], 2, 0, (), [1, 2]),
-        ([1, 1, 1], [3, np.inf, 9], 3, 0, (), [1, 2, 0]),
-        ([1, 1, 1], [3, np.inf, 9], 3, 3, (), None),  # never one needed at or before d
-        ([1, 1, 1], [3, np.inf, 9], 2, 3, (), [1, 2]),
-        ([1, 1, 1], [3, np.inf, 9], 1, 0, (1,), [2]),  # pinned ones are skipped
-        ([1, 1, 1], [3, np.inf, 9], 3, 0, (1,), None),
-        ([5, 1, 1], [3, np.inf, 9], 4, 0, (), [1, 2, 0]),  # whole shards, until enough
-        ([1], [0], 1, 0, (), None),  # needed now
-        ([2, 2], [np.inf, np.inf], 0, 0, (), []),
-    ],
-)
-def test_choose_victims_table(sizes, uses, need, distance, refused, expected):
-    asked = []
-
-    def evictable(i):
-        asked.append(i)
-        return i not in refused
-
-    assert choose_victims(sizes, uses, need, distance, evictable) == expected
-    assert len(asked) == len(set(asked))  # each asked at most once, only as far as needed
-
-
-def _schedule_oracle(counts, seed, epoch, window, world, rank, workers, worker):
-    """Reads of one worker, position by position: entering a window reads its concat range."""
-    order = EpochOrder(tuple(counts), seed, epoch, window)
-    plan = worker_plan([(0, order.total)], world, rank, workers, worker, "pad")
-    size, out, read = window or 1, [], set()
-    positions = [p for a, b in plan.positions for p in range(a, b)]
-    for item, p in enumerate(positions):
-        w = p // size
-        if w not in read:
-            read.add(w)
-            for shard, _, _ in order.pieces(w * size, min((w + 1) * size, order.total)):
-                if not out or out[-1][0] != shard:
-                    out.append((shard, item))
-    for j, p in enumerate(plan.pads):
-        ((shard, _, _),) = order.pieces(*(int(order.concat_positions(np.array([p]))[0]) + d
-                                          for d in (0, 1)))  # fmt: skip
-        if not out or out[-1][0] != shard:
-            out.append((shard, len(positions) + j))
-    return out
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    counts=st.lists(st.integers(0, 9), min_size=1, max_size=8),
-    window=st.integers(0, 12),
-    world=st.integers(1, 3),
-    workers=st.integers(1, 3),
-    seed=st.integers(0, 3),
-    data=st.data(),
-)
-def test_read_schedule_matches_a_position_by_position_walk(
-    counts, window, world, workers, seed, data
-):
-    rank = data.draw(st.integers(0, world - 1))
-    worker = data.draw(st.integers(0, workers - 1))
-    layout = dict(world_size=world, rank=rank, num_workers=workers, worker=worker)
-    got = read_schedule(counts, seed=seed, epoch=1, window=window, **layout)
-    assert got == _schedule_oracle(counts, seed, 1, window, world, rank, workers, worker)
-
-
-def test_read_schedule_appends_the_next_epoch_after_this_pass():
-    args = dict(seed=2, window=8, world_size=2, rank=1, num_workers=2, worker=0)
-    counts = [10, 7, 12, 5]
-    this = read_schedule(counts, epoch=3, **args)
-    following = read_schedule(counts, epoch=4, **args)
-    length = worker_plan([(0, 34)], 2, 1, 2, 0, "pad").length
-    assert read_schedule(counts, epoch=3, next_epoch=True, **args) == this + [
-        (s, length + t) for s, t in following
-    ]
-    resumed = read_schedule(counts, epoch=3, consumed=3, **args)
-    assert resumed[0][1] == 0 and {s for s, _ in resumed} <= {s for s, _ in this}
-
-
-def test_belady_from_plans_fetches_less_than_lru_on_the_trace():
-    """96 equal shards, 4 ranks x 2 workers, 4 epochs in the real order: epochs 1-3 fetch at
-    most 0.8x (cache of 25%) and 0.7x (50%) what LRU fetches, near the offline optimum."""
-    bench = _bench()
-    trace = bench.demand_trace()
-    for capacity, bound in ((24, 0.8), (48, 0.7)):
-        lru, plans, optimum = (bench.count_fetches(trace, capacity, p)
-                               for p in ("lru", "plans", "optimum"))  # fmt: skip
-        assert plans <= bound * lru, (capacity, plans, lru)
-        assert optimum <= plans <= 1.05 * optimum, (capacity, plans, optimum)
-
-
-# ---------------------------------------------------------------- helpers for the protocol
-
-
-class SlowFileSystem(LocalFileSystem):
-    """Local files under the ``slowfile://`` protocol; each read sleeps
-    ``NNH_TEST_READ_DELAY`` seconds (inherited by forked processes)."""
-
-    protocol = ("slowfile",)
-
-    @classmethod
-    def _strip_protocol(cls, path):
-        path = str(path)
-        return super()._strip_protocol(
-            path[len("slowfile://") :] if path.startswith("slowfile://") else path
-        )
-
-    def _open(self, path, mode="rb", **kwargs):
-        return _SlowReader(super()._open(path, mode, **kwargs))
-
-
-class _SlowReader:
-    def __init__(self, f) -> None:
-        self.f = f
-
-    def read(self, size=-1) -> bytes:
-        time.sleep(float(os.environ.get("NNH_TEST_READ_DELAY", "0")))
-        return self.f.read(size)
-
-    def __getattr__(self, name):  # seek, tell, ...: the file's own
-        return getattr(self.f, name)
-
-    def close(self) -> None:
-        self.f.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-fsspec.register_implementation("slowfile", SlowFileSystem, clobber=True)
-
-
-def _slow_info(path, size=None) -> ShardInfo:
-    size = os.path.getsize(path) if size is None else size
-    return ShardInfo(f"slowfile://{path}", "tar", 1, size=size, version="v1")
-
-
-def _random_file(path, size: int) -> bytes:
-    data = np.random.default_rng(size).bytes(size)
-    with open(path, "wb") as f:
-        f.write(data)
-    return data
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _read(session, info, options=None) -> bytes:
-    """The shard's bytes through the cache, or from the remote when the cache is too small."""
-    f = session.open(info)
-    if f is None:
-        fs, path = url_to_fs(info.url, **(options or {}))
-        return fs.cat_file(path)
-    try:
-        f.seek(0)
-        return f.read()
-    finally:
-        session.release(info)
-
-
-def _s3_shards(moto_s3, paths, bucket_name) -> list[ShardInfo]:
-    """Upload local shards to a new bucket; their index there."""
-    bucket = moto_s3.bucket(bucket_name)
-    fs = fsspec.filesystem("s3", **moto_s3.storage_options, skip_instance_cache=True)
-    for path in paths:
-        fs.put_file(path, f"{bucket}/{os.path.basename(path)}")
-    extension = paths[0].rsplit(".", 1)[-1]
-    index = build_shard_index(f"{bucket}/*.{extension}", storage_options=moto_s3.storage_options)
-    return list(index.shards)
-
-
-def _files_bytes(cache_dir) -> int:
-    """Bytes of the shards and parts in the folder (what the limit bounds)."""
-    total = 0
-    for folder in ("shards", "tmp"):
-        for root, _, names in os.walk(os.path.join(cache_dir, folder)):
-            for name in names:
-                if not name.endswith(".json") and not name.startswith("."):
-                    try:
-                        total += os.path.getsize(os.path.join(root, name))
-                    except FileNotFoundError:
-                        pass
-    return total
-
-
-def _child(target, number, args, results) -> None:
-    try:
-        results.put((number, target(*args), None))
-    except BaseException:  # reported to the test, which names the process
-        results.put((number, None, traceback.format_exc()))
-
-
-def _wait_until(condition, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
-
-
-def _read_through_cache(cache_dir, limit, infos, options, order, barrier=None, prefetch=0):
-    """One process: a session that plans and reads ``infos`` in ``order``; their digests."""
-    cache = ShardCache(cache_dir, limit)
-    if barrier is not None:
-        barrier.wait(timeout=30)
-    digests = {}
-    with cache.session(storage_options=options, prefetch=prefetch) as session:
-        session.set_plan([infos[i] for i in order], range(len(order)))
-        for t, i in enumerate(order):
-            session.advance(t)
-            digests[i] = _digest(_read(session, infos[i], options))
-    return digests
-
-
-def _open_and_hold(cache_dir, info) -> None:
-    session = ShardCache(cache_dir).session(prefetch=0)
-    session.open(info)
-    time.sleep(60)
-
-
-def _parts(cache_dir) -> list[str]:
-    return os.listdir(os.path.join(cache_dir, "tmp"))
+@pytest.mark.parametrize("bad", BAD_LIMITS)
+def test_a_bad_limit_names_cache_limit(bad, tmp_path):
+    with pytest.raises(ValueError, match="cache_limit"):
+        ShardCache(tmp_path, limit=bad if bad is not None else "none")
 
 
 # ---------------------------------------------------------------- hits, misses, pins
 
 
 def test_miss_then_hit_entries_evict_and_clear(tmp_path):
-    data = [_random_file(tmp_path / f"s{i}.tar", 1000 + i) for i in range(3)]
-    infos = [_slow_info(tmp_path / f"s{i}.tar") for i in range(3)]
+    data = [random_file(tmp_path / f"s{i}.tar", 1000 + i) for i in range(3)]
+    infos = [slow_info(tmp_path / f"s{i}.tar") for i in range(3)]
     cache = ShardCache(tmp_path / "cache", limit="1MB")
     with cache.session() as session:
-        assert [_read(session, info) for info in infos] == data
+        assert [read_shard(session, info) for info in infos] == data
     with cache.session() as session:
-        assert _read(session, infos[1]) == data[1]
+        assert read_shard(session, infos[1]) == data[1]
         assert session.open(infos[1]) is session.open(infos[1])  # one file, two pins
         assert not cache.evict(infos[1].url)  # pinned
         session.release(infos[1])
@@ -376,118 +104,60 @@ def test_miss_then_hit_entries_evict_and_clear(tmp_path):
 
 
 def test_a_pinned_shard_survives_eviction_and_a_full_cache_reads_around(tmp_path):
-    data = [_random_file(tmp_path / f"s{i}.tar", 1000) for i in range(4)]
-    infos = [_slow_info(tmp_path / f"s{i}.tar") for i in range(4)]
+    data = [random_file(tmp_path / f"s{i}.tar", 1000) for i in range(4)]
+    infos = [slow_info(tmp_path / f"s{i}.tar") for i in range(4)]
     cache = ShardCache(tmp_path / "cache", limit=2500)
     with cache.session() as holder, cache.session() as reader:
         pinned = holder.open(infos[0])
-        assert _read(reader, infos[1]) == data[1]  # 2 of 2.5 shards
-        assert _read(reader, infos[2]) == data[2]  # evicts s1 (unpinned), never s0
+        assert read_shard(reader, infos[1]) == data[1]  # 2 of 2.5 shards
+        assert read_shard(reader, infos[2]) == data[2]  # evicts s1 (unpinned), never s0
         assert {e.url for e in cache.entries()} == {infos[0].url, infos[2].url}
         assert reader.open(infos[2]) is not None  # now s0 and s2 are pinned
         with pytest.warns(UserWarning, match="smaller than what its readers need"):
             assert reader.open(infos[3]) is None  # no room without evicting a pinned shard
-        assert _read(reader, infos[3]) == data[3]  # around, without a second warning
+        assert read_shard(reader, infos[3]) == data[3]  # around, without a second warning
         pinned.seek(0)
         assert pinned.read() == data[0]
         assert cache.stats()["around"] == 2 and cache.stats()["files"] == 2
 
 
-def test_a_discarded_copy_is_downloaded_again(tmp_path):
-    """After a read error on the cached copy, discard() removes it, even while another
-    reader still holds it open, and the next open() reads the remote once more."""
-    data = _random_file(tmp_path / "s.tar", 3000)
-    info = _slow_info(tmp_path / "s.tar")
-    cache = ShardCache(tmp_path / "cache")
-    with cache.session() as other, cache.session() as session:
-        held = other.open(info)
-        session.open(info)
-        session.discard(info)
-        assert cache.entries() == []
-        assert held.read() == data  # the other reader's open file is intact
-        assert _read(session, info) == data
-    assert cache.stats()["downloads"] == 2 and len(cache.entries()) == 1
-
-
 def test_plans_keep_what_a_reader_needs_next(tmp_path):
     """A demand read evicts the shard no plan needs soon, not the one another reader needs
     next."""
-    data = [_random_file(tmp_path / f"s{i}.tar", 1000) for i in range(3)]
-    infos = [_slow_info(tmp_path / f"s{i}.tar") for i in range(3)]
+    data = [random_file(tmp_path / f"s{i}.tar", 1000) for i in range(3)]
+    infos = [slow_info(tmp_path / f"s{i}.tar") for i in range(3)]
     for needed, spare in ((0, 1), (1, 0)):
         cache = ShardCache(tmp_path / f"cache{needed}", limit=2500)
         with cache.session() as plain:  # no plan: what it reads is never needed again
-            assert [_read(plain, info) for info in infos[:2]] == data[:2]
+            assert [read_shard(plain, info) for info in infos[:2]] == data[:2]
         with cache.session(prefetch=0) as other, cache.session(prefetch=0) as reader:
             other.set_plan([infos[needed], infos[spare]], [10, 50])
             other.advance(5)
-            assert _read(reader, infos[2]) == data[2]
+            assert read_shard(reader, infos[2]) == data[2]
             assert {e.url for e in cache.entries()} == {infos[needed].url, infos[2].url}
 
 
-def test_prefetch_downloads_the_next_shard_under_its_cap(tmp_path):
-    data = [_random_file(tmp_path / f"s{i}.tar", 1000) for i in range(3)]
-    infos = [_slow_info(tmp_path / f"s{i}.tar") for i in range(3)]
-    cache = ShardCache(tmp_path / "cache", limit=8000)  # a quarter holds 2 shards
-    with cache.session(prefetch=1) as session:
-        session.set_plan(infos, [0, 10, 20])
-        assert _read(session, infos[0]) == data[0]
-        _wait_until(lambda: len(cache.entries()) == 2)
-        session.advance(10)
-        assert _read(session, infos[1]) == data[1]
-        _wait_until(lambda: len(cache.entries()) == 3)
-    assert cache.stats()["hits"] == 1 and cache.stats()["downloads"] == 3
-    small = ShardCache(tmp_path / "small", limit=3000)  # a quarter holds no shard
-    with small.session(prefetch=1) as session:
-        session.set_plan(infos, [0, 10, 20])
-        assert _read(session, infos[0]) == data[0]
-        time.sleep(0.5)
-    assert len(small.entries()) == 1
-
-
-# ---------------------------------------------------------------- failures
-
-
-def test_wrong_byte_count_raises_naming_the_url_and_leaves_nothing(tmp_path):
-    _random_file(tmp_path / "s.tar", 1000)
-    info = _slow_info(tmp_path / "s.tar", size=999)
-    cache = ShardCache(tmp_path / "cache")
-    with cache.session() as session, pytest.raises(ShardError, match="indexed 999") as caught:
-        session.open(info)
-    assert caught.value.url == info.url
-    assert _parts(cache.cache_dir) == [] and cache.entries() == []
-
-
-def test_a_stalled_download_is_aborted(tmp_path, monkeypatch):
-    _random_file(tmp_path / "s.tar", 1000)
-    monkeypatch.setenv("NNH_TEST_READ_DELAY", "30")
-    monkeypatch.setattr(shard_cache, "STALL_SECONDS", 0.3)
-    cache = ShardCache(tmp_path / "cache")
-    info = _slow_info(tmp_path / "s.tar")
-    with cache.session() as session, pytest.raises(ShardError, match="no progress") as caught:
-        session.open(info)
-    assert caught.value.url == info.url
-    assert _parts(cache.cache_dir) == [] and cache.entries() == []
+# ---------------------------------------------------------------- dead downloads, boots, the disk
 
 
 @pytest.mark.parametrize("waiter", [True, False])
 def test_a_killed_download_leaves_no_entry(tmp_path, monkeypatch, waiter):
     """SIGKILL mid-download: nobody reads the part; a waiting process takes over and finishes
     the read; the part is gone after the next claim, or after verify()."""
-    data = _random_file(tmp_path / "s.tar", 1 << 20)
+    data = random_file(tmp_path / "s.tar", 1 << 20)
     monkeypatch.setenv("NNH_TEST_READ_DELAY", "0.05")
-    monkeypatch.setattr(shard_cache, "CHUNK_BYTES", 64 << 10)  # 16 slow reads
+    monkeypatch.setattr(cache_download, "CHUNK_BYTES", 64 << 10)  # 16 slow reads
     cache_dir = str(tmp_path / "cache")
     cache = ShardCache(cache_dir)
-    info = _slow_info(tmp_path / "s.tar")
-    writer = _FORK.Process(target=_open_and_hold, args=(cache_dir, info))
+    info = slow_info(tmp_path / "s.tar")
+    writer = FORK.Process(target=open_and_hold, args=(cache_dir, info))
     writer.start()
     try:
-        _wait_until(lambda: _parts(cache_dir))
-        results = _FORK.Queue()
+        wait_until(lambda: part_names(cache_dir))
+        results = FORK.Queue()
         if waiter:
-            args = (_read_through_cache, 0, (cache_dir, None, [info], {}, [0]), results)
-            reader = _FORK.Process(target=_child, args=args)
+            args = (read_through_cache, 0, (cache_dir, None, [info], {}, [0]), results)
+            reader = FORK.Process(target=child_main, args=args)
             reader.start()
             time.sleep(0.2)  # it waits on the part's lock by now (or finds it dead later)
         os.kill(writer.pid, signal.SIGKILL)
@@ -498,18 +168,18 @@ def test_a_killed_download_leaves_no_entry(tmp_path, monkeypatch, waiter):
         _, digests, error = results.get(timeout=60)
         reader.join()
         assert error is None, error
-        assert digests == {0: _digest(data)}
-        assert _parts(cache_dir) == [] and cache.verify() == []
+        assert digests == {0: digest(data)}
+        assert part_names(cache_dir) == [] and cache.verify() == []
     else:
-        assert len(_parts(cache_dir)) == 1  # left by the dead writer, read by nobody
+        assert len(part_names(cache_dir)) == 1  # left by the dead writer, read by nobody
         (problem,) = cache.verify()
-        assert "dead download" in problem and _parts(cache_dir) == []
+        assert "dead download" in problem and part_names(cache_dir) == []
     assert [e.url for e in cache.entries()] == ([info.url] if waiter else [])
 
 
 def test_an_earlier_boots_copy_is_checked_before_use(tmp_path):
-    data = [_random_file(tmp_path / f"s{i}.tar", 5000) for i in range(2)]
-    infos = [_slow_info(tmp_path / f"s{i}.tar") for i in range(2)]
+    data = [random_file(tmp_path / f"s{i}.tar", 5000) for i in range(2)]
+    infos = [slow_info(tmp_path / f"s{i}.tar") for i in range(2)]
     cache = ShardCache(tmp_path / "cache")
     cache.warm(infos)
     for entry in cache.entries():  # as after a crash: an earlier boot, unsynced content
@@ -520,7 +190,7 @@ def test_an_earlier_boots_copy_is_checked_before_use(tmp_path):
             with open(entry.path, "r+b") as f:
                 f.write(b"\0" * 4096)
     with cache.session() as session:
-        assert [_read(session, info) for info in infos] == data
+        assert [read_shard(session, info) for info in infos] == data
     assert cache.stats()["downloads"] == 3 and cache.stats()["hits"] == 1  # s0 fetched again
     assert cache.verify() == []
     entry = cache.entries()[0]
@@ -530,172 +200,18 @@ def test_an_earlier_boots_copy_is_checked_before_use(tmp_path):
     assert "size 100" in problem and len(cache.entries()) == 1
 
 
-def test_a_released_plan_lives_for_the_grace_period(tmp_path, monkeypatch):
-    cache = ShardCache(tmp_path / "cache")
-    _random_file(tmp_path / "s.tar", 10)
-    session = cache.session(prefetch=0)
-    session.set_plan([_slow_info(tmp_path / "s.tar")], [0])
-    session.close()
-    plans = os.listdir(os.path.join(cache.cache_dir, "procs"))
-    assert len(plans) == 1 and cache.verify() == [] and len(os.listdir(cache._folder("procs")))
-    monkeypatch.setattr(shard_cache, "PLAN_GRACE_SECONDS", 0.0)
-    time.sleep(0.05)
-    cache.verify()
-    assert os.listdir(os.path.join(cache.cache_dir, "procs")) == []
-
-
-class FailingFileSystem(LocalFileSystem):
-    """Local files under ``failfile://`` whose reads always fail with a connection reset,
-    counted in ``reads`` (a transient error: tried again)."""
-
-    protocol = ("failfile",)
-    reads = 0
-
-    @classmethod
-    def _strip_protocol(cls, path):
-        path = str(path)
-        return super()._strip_protocol(path.removeprefix("failfile://"))
-
-    def cat_file(self, path, start=None, end=None, **kwargs):
-        FailingFileSystem.reads += 1
-        raise ConnectionResetError(104, "reset by the test")
-
-
-fsspec.register_implementation("failfile", FailingFileSystem, clobber=True)
-
-
-@pytest.fixture
-def failing(tmp_path, monkeypatch) -> list[ShardInfo]:
-    """Three shards whose downloads always fail, with retries that do not wait."""
-    monkeypatch.setattr(retries, "BACKOFF_S", 0.001)
-    FailingFileSystem.reads = 0
-    out = []
-    for i in range(3):
-        _random_file(tmp_path / f"f{i}.tar", 1000)
-        out.append(ShardInfo(f"failfile://{tmp_path}/f{i}.tar", "tar", 1, size=1000, version="v"))
-    return out
-
-
-def test_a_failed_download_is_not_tried_again_by_its_session(failing, tmp_path):
-    """Its prefetch and then the read on demand: one round of attempts, one error."""
-    cache = ShardCache(tmp_path / "cache")
-    with cache.session(prefetch=1) as session:
-        session.set_plan(failing, [0, 5, 9])
-        _wait_until(lambda: FailingFileSystem.reads == retries.ATTEMPTS)  # s1, ahead
-        time.sleep(0.1)
-        session.advance(5)
-        for _ in range(2):
-            with pytest.raises(ShardError, match="reset by the test.*gave up after 5 attempts"):
-                session.open(failing[1])
-    assert FailingFileSystem.reads == retries.ATTEMPTS
-    assert _parts(cache.cache_dir) == [] and cache.entries() == []
-
-
-def test_a_local_failure_reads_around_with_one_warning(tmp_path, monkeypatch):
-    """A disk full while a shard downloads: no error, the shard is read from the remote, the
-    part is gone, one warning per process names the cause."""
-    infos = []
-    for i in range(2):
-        _random_file(tmp_path / f"s{i}.tar", 1000)
-        infos.append(_slow_info(tmp_path / f"s{i}.tar"))
-
-    def disk_full(fd, data):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(shard_cache, "_write_all", disk_full)
-    monkeypatch.setattr(shard_cache, "_WARNED", set())
-    cache = ShardCache(tmp_path / "cache")
-    with cache.session() as session:
-        with pytest.warns(UserWarning, match=r"failed on this node \(\[Errno 28\] No space"):
-            assert session.open(infos[0]) is None
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert session.open(infos[1]) is None  # no second warning
-    assert cache.stats()["around"] == 2 and _parts(cache.cache_dir) == []
-
-
-def test_a_deleted_folder_is_laid_out_again(tmp_path):
-    data = _random_file(tmp_path / "s.tar", 1000)
-    info = _slow_info(tmp_path / "s.tar")
-    cache = ShardCache(tmp_path / "cache")
-    with cache.session() as session:
-        assert _read(session, info) == data
-    shutil.rmtree(cache.cache_dir)
-    with cache.session() as session:
-        session.set_plan([info], [0])
-        assert _read(session, info) == data
-    assert {"lock", "procs", "shards", "stats", "tmp"} <= set(os.listdir(cache.cache_dir))
-    assert [e.url for e in cache.entries()] == [info.url]
-
-
 def test_the_disk_caps_the_limit(tmp_path, monkeypatch):
     """``limit`` or what the disk can take (the free space plus what the cache holds, less a
     reserve of 1 GiB or a twentieth of a smaller disk), whichever is smaller."""
-    data = _random_file(tmp_path / "s.tar", 1000)
+    data = random_file(tmp_path / "s.tar", 1000)
     cache = ShardCache(tmp_path / "cache", limit="1GB")
     with cache.session() as session:
-        assert _read(session, _slow_info(tmp_path / "s.tar")) == data
+        assert read_shard(session, slow_info(tmp_path / "s.tar")) == data
     disk = shutil._ntuple_diskusage(total=100_000, used=0, free=50_000)
-    monkeypatch.setattr(shard_cache.shutil, "disk_usage", lambda path: disk)
+    monkeypatch.setattr(cache_store.shutil, "disk_usage", lambda path: disk)
     assert cache.stats()["limit"] == 50_000 + 1000 - 5_000
     assert ShardCache(tmp_path / "cache", limit=10_000).stats()["limit"] == 10_000
     assert ShardCache(tmp_path / "cache").stats()["limit"] == 46_000
-
-
-def _hold_the_lock(cache: ShardCache, held: threading.Event, seconds: float) -> None:
-    with cache._node_lock():
-        held.set()
-        time.sleep(seconds)
-
-
-def _take_the_lock(cache_dir: str) -> None:
-    with ShardCache(cache_dir)._node_lock():
-        pass
-
-
-def test_a_fork_never_copies_a_held_node_lock(tmp_path):
-    """A fork while a thread holds the node lock waits for it: a child that inherited the
-    lock would hold it for as long as it lives, and block on it itself."""
-    cache = ShardCache(tmp_path / "cache")
-    held = threading.Event()
-    holder = threading.Thread(target=_hold_the_lock, args=(cache, held, 0.5))
-    holder.start()
-    held.wait(5)
-    child = _FORK.Process(target=_take_the_lock, args=(cache.cache_dir,))
-    child.start()
-    child.join(timeout=20)
-    holder.join()
-    alive = child.is_alive()
-    if alive:
-        child.kill()
-        child.join()
-    assert not alive and child.exitcode == 0
-
-
-def _started_then_sleep(started, seconds: float) -> None:
-    started.set()
-    time.sleep(seconds)
-
-
-def test_a_forked_child_lets_go_of_the_parents_pins(tmp_path):
-    """A DataLoader worker forked while the main process reads through the cache does not
-    keep the main process's shards pinned."""
-    data = _random_file(tmp_path / "s.tar", 1000)
-    info = _slow_info(tmp_path / "s.tar")
-    cache = ShardCache(tmp_path / "cache")
-    with cache.session() as session:
-        assert session.open(info) is not None
-        started = _FORK.Event()
-        child = _FORK.Process(target=_started_then_sleep, args=(started, 30))
-        child.start()
-        try:
-            assert started.wait(20)
-            session.release(info)
-            assert cache.evict(info.url)
-        finally:
-            child.kill()
-            child.join()
-    assert cache.entries() == [] and len(data) == 1000
 
 
 # ---------------------------------------------------------------- many processes, S3
@@ -703,13 +219,13 @@ def test_a_forked_child_lets_go_of_the_parents_pins(tmp_path):
 
 def test_four_processes_on_a_cold_cache_fetch_each_shard_once(moto_s3, tar_shards, tmp_path):
     paths = tar_shards([20] * 6, size=4000)
-    infos = _s3_shards(moto_s3, paths, "cold")
-    expected = {i: _digest(open(p, "rb").read()) for i, p in enumerate(paths)}
+    infos = s3_shards(moto_s3, paths, "cold")
+    expected = {i: digest(open(p, "rb").read()) for i, p in enumerate(paths)}
     cache_dir = str(tmp_path / "cache")
-    barrier = _FORK.Barrier(4)
+    barrier = FORK.Barrier(4)
     orders = [np.roll(np.arange(6), k).tolist() for k in range(4)]
     args = [(cache_dir, None, infos, moto_s3.storage_options, o, barrier) for o in orders]
-    assert run_forked(_read_through_cache, args) == [expected] * 4
+    assert run_forked(read_through_cache, args) == [expected] * 4
     stats = ShardCache(cache_dir).stats()
     assert (stats["downloads"], stats["hits"], stats["around"], stats["files"]) == (6, 18, 0, 6)
 
@@ -718,7 +234,7 @@ def test_the_folder_never_holds_more_than_the_limit(moto_s3, tar_shards, tmp_pat
     """4 processes read 12 shards in different orders, prefetching, through a cache of 3.5
     shards; sampled every 20 ms, the folder never holds more than the limit plus one shard."""
     paths = tar_shards([10] * 12, size=20_000)
-    infos = _s3_shards(moto_s3, paths, "small")
+    infos = s3_shards(moto_s3, paths, "small")
     size = max(info.size for info in infos)
     limit = int(3.5 * size)
     cache_dir = str(tmp_path / "cache")
@@ -727,7 +243,7 @@ def test_the_folder_never_holds_more_than_the_limit(moto_s3, tar_shards, tmp_pat
 
     def sample() -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], _files_bytes(cache_dir))
+            peak[0] = max(peak[0], files_bytes(cache_dir))
             time.sleep(0.02)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -735,38 +251,19 @@ def test_the_folder_never_holds_more_than_the_limit(moto_s3, tar_shards, tmp_pat
     orders = [np.random.default_rng(k).permutation(12).tolist() for k in range(4)]
     args = [(cache_dir, limit, infos, moto_s3.storage_options, o, None, 1) for o in orders]
     try:
-        results = run_forked(_read_through_cache, args)
+        results = run_forked(read_through_cache, args)
     finally:
         stop.set()
         sampler.join()
-    expected = {i: _digest(open(p, "rb").read()) for i, p in enumerate(paths)}
+    expected = {i: digest(open(p, "rb").read()) for i, p in enumerate(paths)}
     assert results == [expected] * 4
     assert 0 < peak[0] <= limit + size
-    assert _files_bytes(cache_dir) <= limit
-
-
-def test_a_shard_rewritten_with_the_same_size_is_read_anew(moto_s3, tar_shards, tmp_path):
-    (path,) = tar_shards([4], size=600)
-    options = moto_s3.storage_options
-    (old,) = _s3_shards(moto_s3, [path], "rewritten")
-    before = open(path, "rb").read()
-    after = before.replace(sample_bytes(1, 600), sample_bytes(7, 600))  # a payload, not a header
-    assert len(after) == len(before) and after != before
-    fsspec.filesystem("s3", **options, skip_instance_cache=True).pipe(old.url, after)
-    (new,) = build_shard_index(old.url, storage_options=options).shards
-    assert new.size == old.size and new.version != old.version
-    cache = ShardCache(tmp_path / "cache")
-    with cache.session(storage_options=options) as session:
-        assert _read(session, new, options) == after
-        with pytest.raises(StaleIndexError) as caught:  # the old index must not get new bytes
-            session.open(old)
-    assert caught.value.url == old.url
-    assert [e.version for e in cache.entries()] == [new.version]
+    assert files_bytes(cache_dir) <= limit
 
 
 def test_parquet_goes_through_the_cache(moto_s3, parquet_shards, tmp_path):
     paths = parquet_shards([7, 5])
-    infos = _s3_shards(moto_s3, paths, "tables")
+    infos = s3_shards(moto_s3, paths, "tables")
     cache = ShardCache(tmp_path / "cache")
     for _ in range(2):
         with cache.session(storage_options=moto_s3.storage_options) as session:
@@ -786,12 +283,12 @@ def test_the_cache_follows_the_plans_on_the_trace(tmp_path):
     time order; each pins the shard it reads): epochs 1-3 fetch what the simulation of the
     same policy fetches, within 5%, so at most 0.8x / 0.7x what LRU fetches, and epoch 0
     leaves nearly the simulation's shards cached."""
-    bench = _bench()
+    bench = load_bench()
     trace = bench.demand_trace()
     infos = []
     for shard in range(bench.SHARDS):
-        _random_file(tmp_path / f"s{shard}.tar", 1000)
-        infos.append(_slow_info(tmp_path / f"s{shard}.tar"))
+        random_file(tmp_path / f"s{shard}.tar", 1000)
+        infos.append(slow_info(tmp_path / f"s{shard}.tar"))
     for capacity, bound in ((24, 0.8), (48, 0.7)):
         cache = ShardCache(tmp_path / f"c{capacity}", capacity * 1000)
         fetched, left = _replay(trace, infos, cache)
@@ -840,7 +337,7 @@ def _plan_epoch(trace, infos, sessions, epoch) -> None:
 
 def test_cli_warm_stats_verify_clear(moto_s3, tar_shards, tmp_path, capsys):
     paths = tar_shards([10] * 8, size=1000)
-    infos = _s3_shards(moto_s3, paths, "warm")
+    infos = s3_shards(moto_s3, paths, "warm")
     cache_dir = str(tmp_path / "cache")
     options = json.dumps(moto_s3.storage_options)
     source = infos[0].url.rsplit("/", 1)[0] + "/*.tar"
