@@ -11,6 +11,7 @@ from nnh_data.augment.params import (
     gen_distributed_augmentation_params,
     get_preset,
     list_presets,
+    param_names,
     stream_distributed_augmentation_chain,
 )
 from nnh_data.augment.transforms import (
@@ -34,5 +35,6 @@ __all__ = [
     "gen_distributed_augmentation_params",
     "get_preset",
     "list_presets",
+    "param_names",
     "stream_distributed_augmentation_chain",
 ]

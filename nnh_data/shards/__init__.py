@@ -8,7 +8,15 @@ columns, through :mod:`.tar` or :mod:`.parquet`, retrying remote reads (:mod:`.r
 
 from nnh_data.errors import ShardError, StaleIndexError
 from nnh_data.shards.index import ShardIndex, ShardInfo, build_shard_index
-from nnh_data.shards.reading import iter_shard_samples
+from nnh_data.shards.reading import (
+    ShardReader,
+    decode_shard_columns,
+    decode_shard_range,
+    decode_tar_each,
+    fetch_shard_range,
+    iter_shard_samples,
+    split_shard_range,
+)
 from nnh_data.shards.sources import expand_sources
 from nnh_data.shards.writer import write_shards
 
@@ -16,9 +24,15 @@ __all__ = [
     "ShardError",
     "ShardIndex",
     "ShardInfo",
+    "ShardReader",
     "StaleIndexError",
     "build_shard_index",
+    "decode_shard_columns",
+    "decode_shard_range",
+    "decode_tar_each",
     "expand_sources",
+    "fetch_shard_range",
     "iter_shard_samples",
+    "split_shard_range",
     "write_shards",
 ]
