@@ -82,7 +82,8 @@ def create_distributed_loader(
     Example:
         >>> ds = torch.utils.data.TensorDataset(torch.arange(10))
         >>> kwargs = {"batch_size": 4, "num_workers": 0}
-        >>> loader, sampler = create_distributed_loader(ds, kwargs, "cpu")  # doctest: +ELLIPSIS
+        >>> loader, sampler = create_distributed_loader(ds, kwargs, "cpu", log_fn=print)
+        ... # doctest: +ELLIPSIS
         distributed loader: rank 0/1 reads 10 of 10 samples, shuffle=True, ...
         >>> sampler.set_epoch(1)  # before each epoch
         >>> [len(x) for x, in loader]
