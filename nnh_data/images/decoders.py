@@ -81,7 +81,9 @@ class SampleDecoder:
         """The sample (or batch of columns) with its fields decoded."""
         if isinstance(item.get("__index__", 0), (int, np.integer)):  # a sample, not a batch
             return {name: self._value(name, v, item) for name, v in item.items()}
-        params = _rows(item["__aug__"]) if self.crop_size else None
+        params = None
+        if self.crop_size:
+            params = geometry_rows(item["__aug__"], len(item["__aug__"]["sample_id"]))
         out = {}
         for name, column in item.items():
             if name.startswith("__") or not isinstance(column, list):
@@ -137,10 +139,11 @@ def _extension(name: str) -> str:
     return name.rsplit(".", 1)[-1].lower()
 
 
-def _rows(columns: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Per-row parameter dicts of a batch's ``__aug__`` columns (the geometry ones)."""
+def geometry_rows(columns: Mapping[str, Any], count: int) -> list[dict[str, Any]]:
+    """Per-row parameter dicts of a batch's ``__aug__`` columns (the geometry ones; ``count``
+    empty dicts without them)."""
     names = [name for name in GEOMETRY_NAMES if name in columns]
     if not names:
-        return [{}] * len(columns["sample_id"])
+        return [{}] * count
     values = [np.asarray(columns[name]).tolist() for name in names]
     return [dict(zip(names, row)) for row in zip(*values)]
