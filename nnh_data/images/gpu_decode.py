@@ -144,9 +144,9 @@ class GpuCropDecoder:
 def _nvimgcodec(images: list[bytes], boxes: list[Any], device: str) -> list[torch.Tensor]:
     """The boxes decoded by nvImageCodec in one batched call (nvJPEG on a GPU; its CPU backend
     for ``device="cpu"``), as (3, h, w) tensors on ``device``."""
-    from nnh_data.images.jpeg_backends import _import_nvimgcodec
+    from nnh_data.images.jpeg_backends import import_nvimgcodec
 
-    nvimgcodec = _import_nvimgcodec()
+    nvimgcodec = import_nvimgcodec()
     decoder = _nv_batch_decoder(nvimgcodec, os.getpid(), device)
     streams = [
         nvimgcodec.CodeStream(data).get_sub_code_stream(

@@ -40,7 +40,15 @@ from PIL import Image
 from nnh_data.augment.params import crop_box
 from nnh_data.images.jpeg_frame import JpegFrame, read_frame, rows_for, with_height
 
-__all__ = ["BACKEND_NAMES", "CropJob", "JpegBackend", "cheapest", "crop_job", "installed_backends"]
+__all__ = [
+    "BACKEND_NAMES",
+    "CropJob",
+    "JpegBackend",
+    "cheapest",
+    "crop_job",
+    "import_nvimgcodec",
+    "installed_backends",
+]
 
 BACKEND_NAMES = ("simplejpeg", "nvimgcodec", "pillow")  # in order of preference on equal cost
 SCALES = (8, 4, 2)  # libjpeg-turbo's fast scaled IDCTs; its 7/8 to 3/8 measured slower than 1/1
@@ -152,7 +160,7 @@ def _nvimgcodec(data: bytes, job: CropJob) -> np.ndarray | None:
 def _nv_process_decoder(pid: int) -> tuple[Any, Any, Any]:
     """nvImageCodec's module, a CPU-only decoder on the calling thread's pool of one, and its
     decode parameters, made once per process (``pid``: a forked worker makes its own)."""
-    nvimgcodec = _import_nvimgcodec()
+    nvimgcodec = import_nvimgcodec()
     decoder = nvimgcodec.Decoder(
         device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
         backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)],
@@ -165,7 +173,7 @@ def _nv_decoder() -> tuple[Any, Any, Any]:
     return _nv_process_decoder(os.getpid())
 
 
-def _import_nvimgcodec() -> Any:
+def import_nvimgcodec() -> Any:
     """``nvidia.nvimgcodec``, imported with the process's stderr muted: without CUDA's nvJPEG,
     nvTIFF and nvJPEG2000 it prints an error for each extension it cannot load, which says
     nothing about its CPU decoder."""
