@@ -33,6 +33,7 @@ from operator import itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
+import pyarrow as pa
 import torch
 from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
@@ -57,8 +58,9 @@ _NUMPY_KIND = {bool: np.bool_, int: np.int64, float: np.float64}  # what default
 def collate_samples(samples: Sequence[Any]) -> Any:
     """Collate sample dicts into a dict of columns: ``int``/``float``/``bool`` values as
     tensors (the dtypes of ``default_collate``), ``bytes`` or ``str`` values (``None`` allowed)
-    as a :class:`PackedField`, dicts recursively, a column of only ``None`` as that list,
-    anything else by ``default_collate``. A field missing from some samples is ``None`` there.
+    as a :class:`PackedField`, dicts recursively, lists (Parquet list columns) and any other
+    column holding a ``None`` (a nullable column) as the list of their values, anything else
+    by ``default_collate``. A field missing from some samples is ``None`` there.
     In a DataLoader worker the batch is wrapped for the hand-off (:func:`handed_out`).
 
     Example:
@@ -70,7 +72,8 @@ def collate_samples(samples: Sequence[Any]) -> Any:
 
 
 def collate_decoded(samples: Sequence[Any]) -> Any:
-    """``default_collate`` (what decoding users get), wrapped for the hand-off in a worker."""
+    """``default_collate`` (what decoding users get), wrapped for the hand-off in a worker;
+    a field with ``None`` in some samples (a nullable column) stays the list of its values."""
     return handed_out(_default_collate(samples))
 
 
@@ -114,7 +117,20 @@ def _numpy_stackable(tensor: torch.Tensor, first: torch.Tensor) -> bool:
 
 _NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                            torch.int64, torch.float16, torch.float32, torch.float64})  # fmt: skip
-_COLLATE_MAP = {**default_collate_fn_map, torch.Tensor: _stacked}
+def _nullable(collate_fn: Callable) -> Callable:
+    """``collate_fn``, except that a column holding a ``None`` stays the list of its values
+    (a nullable column: ``default_collate`` cannot make a tensor of it)."""
+
+    def collate_column(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
+        if any(value is None for value in batch):
+            return list(batch)
+        return collate_fn(batch, collate_fn_map=collate_fn_map)
+
+    return collate_column
+
+
+_COLLATE_MAP = {type(None): _nullable(list), **{kind: _nullable(fn) for kind, fn in
+                {**default_collate_fn_map, torch.Tensor: _stacked}.items()}}  # fmt: skip
 
 
 def _collated(samples: Sequence[Any]) -> Any:
@@ -135,14 +151,14 @@ def _column(values: list) -> Any:
     """One collated column (see :func:`collate_samples`)."""
     first = next((v for v in values if v is not None), None)
     kind = type(first)
-    if first is None:  # nothing to tell the type by (a nullable column, all null here)
-        return values
     if kind in (bytes, str):
         try:
             return PackedField.pack(values)
         except TypeError:
             return _default_collate(values)
-    if kind is dict and None not in values:
+    if kind is list or any(value is None for value in values):  # as batch mode gives them
+        return values
+    if kind is dict:
         return _collated(values)
     if kind in _NUMPY_KIND and first is values[0]:
         array = np.array(values)
@@ -171,7 +187,9 @@ def _part_of(row: tuple[dict[str, Any], int]) -> int:
 
 
 def _as_collated(columns: dict[str, Any]) -> dict[str, Any]:
-    """Columns as :func:`collate_samples` collates the Python values of their rows."""
+    """Columns as :func:`collate_samples` collates the Python values of their rows; an Arrow
+    column of numbers (a nullable column: those without nulls come as numpy) as their Python
+    values in every batch, whether or not it holds a ``None``, as in batch mode."""
     out = {}
     for name, column in columns.items():
         if isinstance(column, dict):
@@ -180,6 +198,8 @@ def _as_collated(columns: dict[str, Any]) -> dict[str, Any]:
             out[name] = torch.from_numpy(column.astype(dtype))
         elif (packed := _packed_arrow(column)) is not None:
             out[name] = packed
+        elif isinstance(column, ARROW) and _numeric(column.type):
+            out[name] = column.to_pylist()
         else:
             out[name] = _column(as_list(column))
     return out
@@ -191,6 +211,10 @@ def _packed_arrow(column: Any) -> PackedField | None:
     if not isinstance(column, ARROW) or arrow_kind(column.type) is None:
         return None
     return PackedField.from_arrow(column) if column.null_count < len(column) else None
+
+
+def _numeric(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
 
 
 def _collated_dtype(dtype: np.dtype) -> type | None:

@@ -77,8 +77,11 @@ def test_collate_samples_details():
     assert batch["x"].dtype == torch.int64
     mixed = collate_samples([{"v": 1}, {"v": 2.5}])  # what default_collate makes of it
     assert mixed["v"].dtype == default_collate([1, 2.5]).dtype
-    with pytest.raises(RuntimeError, match="infer dtype"):
-        collate_samples([{"v": 1}, {"v": None}])  # as default_collate does
+    # a nullable column (and a list column) stays Python values, as in batch mode
+    assert collate_samples([{"v": 1}, {"v": None}])["v"] == [1, None]
+    assert collate_samples([{"v": None}, {"v": 2.5}])["v"] == [None, 2.5]
+    assert collate_samples([{"v": [1]}, {"v": [2, 3]}])["v"] == [[1], [2, 3]]
+    assert collate_samples([{"d": {"a": 1}}, {"d": None}])["d"] == [{"a": 1}, None]
     assert collate_samples([(1, 2), (3, 4)])[0].tolist() == [1, 3]  # not dicts: default
 
 
