@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from nnh_data.atomic import replace_file
 from nnh_data.checks import check_choice
 from nnh_data.errors import ShardError, TarFormatError
+from nnh_data.shards.arrow import arrow_offsets, null_columns, open_ipc
 from nnh_data.shards.sources import (
     FORMATS,
     content_format,
@@ -78,7 +79,7 @@ INDEX_VERSION = 3
 # listing fields that identify a file's content, most specific first (S3, GCS, Azure, local, ...)
 _VERSION_FIELDS = ("VersionId", "ETag", "generation", "etag", "mtime", "LastModified",
                    "last_modified", "updated", "created")  # fmt: skip
-_UNITS = {"tar": 512, "parquet": 1}  # tar offsets are whole 512-byte blocks
+_UNITS = {"tar": 512, "parquet": 1, "arrow": 1}  # tar offsets are whole 512-byte blocks
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ class ShardInfo:
     ``seek`` is the compact, JSON-safe form of :attr:`offsets` (see :func:`encode_offsets`);
     build a ShardInfo from offsets with :meth:`from_offsets`. ``size`` is the file size in
     bytes when indexed and ``version`` what identified its content then (:func:`file_version`);
-    ``nullable`` names the Parquet columns that hold nulls (or lack statistics to tell).
+    ``nullable`` names the Parquet and Arrow columns that hold nulls (or lack statistics to
+    tell).
     A shard indexed with ``on_error="skip"`` despite damage has ``error`` set (what was wrong),
     ``lost`` samples that could not be indexed (a lower bound unless ``lost_exact``) and, for
     tar, ``gaps``: byte spans inside its samples' pieces that hold no readable sample, cut out
@@ -140,8 +142,8 @@ class ShardInfo:
 
         Tar: the byte offset of each sample's first header (extended headers included), then
         the end of the last sample. Parquet: the first row of each row group, then
-        ``num_samples``. Decoded from ``seek`` on first use, so opening an index of many
-        shards costs nothing per sample.
+        ``num_samples``; Arrow: the same of each record batch. Decoded from ``seek`` on first
+        use, so opening an index of many shards costs nothing per sample.
         """
         offsets = decode_offsets(self.seek, self.format)
         expected = len(offsets) - 1 if self.format == "tar" else offsets[-1]
@@ -365,7 +367,8 @@ def build_shard_index(
 ) -> ShardIndex:
     """Index the shards of ``source``: sample counts and seek positions, cached in a sidecar.
 
-    Tar counts come from a header-only scan, Parquet counts from footers. The sidecar
+    Tar counts come from a header-only scan, Parquet counts from footers, Arrow IPC counts from
+    the record batches' metadata (a local file memory-mapped, a remote one read). The sidecar
     (``nnh-index.json`` next to the first shard unless ``index_path`` is given) is reused for
     every shard whose size and version are unchanged and rewritten when something was scanned;
     creating it in a folder that had none says so once (a warning). Where the shards' folder
@@ -464,6 +467,14 @@ def scan_shard(
     """Index one shard (``path`` on ``fs``; ``stat`` its size and version from
     :func:`file_stats`); raises :class:`ShardError`."""
     size, version = stat
+    if format == "arrow":
+        try:
+            table = open_ipc(fs, path)
+        except (pa.ArrowException, OSError) as exc:
+            what = _content(fs, path, "Arrow IPC") or f"unreadable Arrow IPC file ({exc})"
+            raise ShardError(url, "header", what) from exc
+        nullable = null_columns(table)
+        return ShardInfo.from_offsets(url, format, arrow_offsets(table), size, version, nullable)
     if format == "parquet":
         try:
             metadata = pq.read_metadata(path, filesystem=fs)
@@ -492,11 +503,12 @@ def salvage_shard(
 ) -> ShardInfo:
     """What can be indexed of a shard that :func:`scan_shard` found damaged (``error``): the
     readable tar samples (:func:`~nnh_data.shards.tar_salvage.salvage_tar`); nothing of a Parquet
-    file without a readable footer or of a file that is not a tar."""
+    file without a readable footer, of an unreadable Arrow file or of a file that is not a
+    tar."""
     size, version = stat
     what = f"{error.reason} (at {error.position})"
     empty = ShardInfo(url, format, 0, "", size, what, version, lost_exact=False)
-    if format == "parquet" or content_format(fs.cat_file(path, start=0, end=BLOCK)) not in (
+    if format != "tar" or content_format(fs.cat_file(path, start=0, end=BLOCK)) not in (
         None, "a tar file"
     ):  # fmt: skip
         return empty
@@ -519,14 +531,14 @@ def _read(fs: AbstractFileSystem, path: str, start: int, stop: int) -> bytes:
 
 def _content(fs: AbstractFileSystem, path: str, expected: str) -> str | None:
     """What a file that failed to read as ``expected`` is, by its first bytes, when that is
-    not ``expected``: compressed, Parquet, tar, zip (or, for tar, no tar header at all); None
+    not ``expected``: compressed, Parquet, Arrow, tar, zip (or, for tar, no tar header at all); None
     when they look right."""
     what = content_format(fs.cat_file(path, start=0, end=BLOCK))
-    if what == f"a {expected} file":
+    if what is not None and what.endswith(f" {expected} file"):
         return None
     if what is None:
         return "not a tar file: its first block is no tar header" if expected == "tar" else None
-    if what in ("a tar file", "a Parquet file"):
+    if what in ("a tar file", "a Parquet file", "an Arrow IPC file"):
         return f"{what}, not {expected}: pass format={what.split()[1].lower()!r}"
     return what if "not supported" in what else f"{what}, not {expected}"
 

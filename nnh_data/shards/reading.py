@@ -1,8 +1,9 @@
-"""Reading shards: any sample range of a tar or Parquet shard, through its index.
+"""Reading shards: any sample range of a tar, Parquet or Arrow IPC shard, through its index.
 
 The dataset layer works on sample ranges ``[start, stop)`` of a shard: a :class:`ShardReader`
 (one per pass; :func:`fetch_shard_range` for a single read) does the I/O, one ranged read for
-tar and, for Parquet, the rows as columns (:mod:`nnh_data.shards.parquet`);
+tar and, for Parquet and Arrow, the rows as columns (:mod:`nnh_data.shards.parquet`,
+:mod:`nnh_data.shards.arrow`);
 :func:`decode_shard_range` turns the payload into sample dicts and :func:`decode_shard_columns`
 into columns. The index that makes ranges seekable, and :class:`ShardError`, live in
 :mod:`nnh_data.shards.index` (re-exported here); tar parsing lives in :mod:`nnh_data.shards.tar`.
@@ -28,6 +29,7 @@ from fsspec.implementations.local import LocalFileSystem
 from nnh_data.checks import check_int
 from nnh_data.columns import Columns, as_list, columns_of, rows_of
 from nnh_data.errors import ShardError, StaleIndexError, TarFormatError
+from nnh_data.shards.arrow import ArrowReader
 from nnh_data.shards.index import ShardIndex, ShardInfo, build_shard_index
 from nnh_data.shards.parquet import ParquetReader
 from nnh_data.shards.retries import is_transient, remote_fs, retrying
@@ -64,13 +66,13 @@ def split_shard_range(
 ) -> list[tuple[int, int]]:
     """Cut ``[start, stop)`` into consecutive sub-ranges small enough to hold in memory.
 
-    Tar pieces stay under ``max_bytes`` (or hold one sample); Parquet pieces are whole row
-    groups (cut at ``start`` and ``stop``), as many as fit in ``max_bytes`` at the file's
-    average bytes per row (at least one).
+    Tar pieces stay under ``max_bytes`` (or hold one sample); Parquet and Arrow pieces are
+    whole row groups or record batches (cut at ``start`` and ``stop``), as many as fit in
+    ``max_bytes`` at the file's average bytes per row (at least one).
     """
     stop = info.num_samples if stop is None else stop
     offsets = info.offsets
-    if info.format == "parquet":
+    if info.format != "tar":
         rows = max_bytes * info.num_samples // max(1, info.size)
     pieces = []
     while start < stop:
@@ -106,6 +108,7 @@ class ShardReader:
     ) -> None:
         self.storage_options, self.nullable, self.arrow = storage_options, nullable, arrow
         self._parquet = ParquetReader(storage_options, nullable, arrow)
+        self._arrow = ArrowReader(storage_options, nullable, arrow)
         self._failed: dict[str, ShardError] = {}  # remote shards whose reads gave up
         self._local: tuple[str, BinaryIO | None] | None = None  # the tar shard being read
         self._buffers: list[bytearray] = []  # read buffers of fetch_block, reused when free
@@ -151,6 +154,8 @@ class ShardReader:
     ) -> bytes | memoryview | Columns:
         if info.format == "parquet":
             return self._parquet.read(info, start, stop, file)
+        if info.format == "arrow":
+            return self._arrow.read(info, start, stop, file)
         low, high = int(info.offsets[start]), int(info.offsets[stop])
         # The shard's last range also reads the block after it: the end-of-archive marker there
         # proves the index saw every sample (a rewritten shard often keeps its size).
@@ -212,6 +217,7 @@ class ShardReader:
     def close(self) -> None:
         """Let go of open files."""
         self._parquet.close()
+        self._arrow.close()
         self._let_go_of_local()
 
     def __del__(self) -> None:  # a pass's reader is dropped, not closed: its shard goes with it
@@ -251,10 +257,10 @@ def decode_shard_range(
     """Samples ``[start, stop)`` from the payload of :func:`fetch_shard_range`, in shard order.
 
     Tar samples hold ``__key__`` and one ``bytes`` value per member, named by its extension as
-    webdataset names it ("jpg", "seg.png"); Parquet samples hold one Python value per column and
-    ``__key__`` (the ``__key__`` column, else the row number in the shard).
+    webdataset names it ("jpg", "seg.png"); Parquet and Arrow samples hold one Python value per
+    column and ``__key__`` (the ``__key__`` column, else the row number in the shard).
     """
-    if info.format == "parquet":
+    if info.format != "tar":
         return iter(rows_of(list(payload), list(map(as_list, payload.values()))))
     return iter(_decode_tar(info, payload, start, stop))
 
@@ -382,14 +388,15 @@ def decode_shard_columns(
 ) -> Columns:
     """Samples ``[start, stop)`` as columns (:mod:`nnh_data.columns`), in shard order.
 
-    Values are those of :func:`decode_shard_range`, except that Parquet columns come as read
-    (numeric and boolean columns without nulls as numpy arrays, the others as Arrow arrays).
+    Values are those of :func:`decode_shard_range`, except that Parquet and Arrow columns come
+    as read (numeric and boolean columns without nulls as numpy arrays, the others as Arrow
+    arrays).
     Tar samples that do not all have the first one's fields are made columns by
     ``from_samples`` (by default ``None`` where a sample lacks a field). With ``views``, the
     values of plain tar blocks come as Arrow ``binary_view`` arrays into ``payload``
     (:func:`~nnh_data.shards.tar.parse_samples`).
     """
-    if info.format == "parquet":
+    if info.format != "tar":
         return dict(payload)
     parsed = _parsed_tar(info, payload, start, stop, as_columns=True, views=views)
     return from_samples(parsed.samples) if parsed.columns is None else parsed.columns

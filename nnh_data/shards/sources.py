@@ -5,12 +5,15 @@ all shards of one source live on one filesystem, so it is resolved once. A brace
 expanded up to :data:`MAX_SHARDS` names and refused beyond (a typo such as ``{0..999999999}``
 would otherwise fill memory before anything is read). The format of a shard comes from its
 extension; where a file turns out not to be what it claims, :func:`content_format` tells from
-its first bytes what it is (gzip, bzip2, xz or zstd compressed, Parquet, tar) for the error.
+its first bytes what it is (gzip, bzip2, xz or zstd compressed, Parquet, Arrow, tar) for the
+error. A folder saved by Hugging Face ``datasets`` (``save_to_disk``) stands for its Arrow
+files in the order its ``state.json`` lists them, as ``datasets.load_from_disk`` reads them.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -35,8 +38,10 @@ __all__ = [
 
 _LOCAL_PROTOCOLS = ("file", "local", "memory")
 
-FORMATS = ("tar", "parquet")
-_EXTENSIONS = {".tar": "tar", ".parquet": "parquet", ".pq": "parquet"}
+FORMATS = ("tar", "parquet", "arrow")
+_EXTENSIONS = {".tar": "tar", ".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow"}
+_HF_STATE = "state.json"  # a ``datasets`` save_to_disk folder: its Arrow files, in order
+_HF_SPLITS = "dataset_dict.json"  # a DatasetDict's: one such folder per split
 _COMPRESSED = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
 _SHARD_SUFFIXES = (*_EXTENSIONS, *_COMPRESSED)
 _GLOB_CHARS = frozenset("*?[")
@@ -48,6 +53,7 @@ _MAGIC = (
     (0, b"(\xb5/\xfd", "zstd-compressed", "unzstd"),
     (0, b"PK\x03\x04", "a zip archive", None),
     (0, b"PAR1", "a Parquet file", None),
+    (0, b"ARROW1", "an Arrow IPC file", None),
     (257, b"ustar", "a tar file", None),
 )
 _SNIFF_BYTES = 264
@@ -62,7 +68,9 @@ def expand_sources(
 
     Brace patterns keep zero padding (``{000000..000063}``) and take lists (``{train,val}``);
     globs are matched on the filesystem and sorted; a folder stands for the shards in it
-    (``*.tar``, ``*.parquet``, ``*.pq``, sorted); other URLs are kept as given.
+    (``*.tar``, ``*.parquet``, ``*.pq``, ``*.arrow``, sorted), a ``datasets`` ``save_to_disk``
+    folder for its Arrow files in its own order (its ``state.json``); other URLs are kept as
+    given.
 
     >>> expand_sources("data/train-{000000..000002}.tar")
     ['data/train-000000.tar', 'data/train-000001.tar', 'data/train-000002.tar']
@@ -188,18 +196,35 @@ def _folder_shards(
     if not fs.isdir(path):  # its listing is cached: the shards' sizes come from it
         return []
     base = url.rstrip("/")
-    items = sorted(fs.ls(path, detail=True), key=lambda item: item["name"])
-    found = [
-        (f"{base}/{item['name'].rsplit('/', 1)[-1]}", item)
-        for item in items
-        if item["name"].lower().endswith(tuple(_EXTENSIONS))
-    ]
+    items = {item["name"].rsplit("/", 1)[-1]: item for item in fs.ls(path, detail=True)}
+    if _HF_STATE in items or _HF_SPLITS in items:
+        return _saved_dataset_files(fs, path, base, items)
+    found = [(f"{base}/{name}", items[name]) for name in sorted(items)
+             if name.lower().endswith(tuple(_EXTENSIONS))]  # fmt: skip
     if not found:
         raise FileNotFoundError(
-            f"no shards (*.tar, *.parquet, *.pq) in folder {url!r}; pass a glob such as "
+            f"no shards (*.tar, *.parquet, *.pq, *.arrow) in folder {url!r}; pass a glob such as "
             f"{base + '/*.tar'!r} or the shard URLs"
         )
     return found
+
+
+def _saved_dataset_files(
+    fs: AbstractFileSystem, path: str, base: str, items: dict[str, dict[str, Any]]
+) -> list[tuple[str, dict[str, Any] | None]]:
+    """The Arrow files of a ``datasets`` ``save_to_disk`` folder in the order of its
+    ``state.json``; a DatasetDict's folder (one folder per split) is refused, naming them."""
+    if _HF_STATE not in items:
+        splits = sorted(json.loads(fs.cat_file(f"{path}/{_HF_SPLITS}")).get("splits", []))
+        raise ValueError(
+            f"source {base!r} is a DatasetDict saved with save_to_disk (splits {splits}); "
+            f"pass one split's folder, e.g. {base + '/' + (splits or ['train'])[0]!r}"
+        )
+    state = json.loads(fs.cat_file(f"{path}/{_HF_STATE}"))
+    names = [entry["filename"] for entry in state.get("_data_files", [])]
+    if not names:
+        raise FileNotFoundError(f"the save_to_disk folder {base!r} lists no Arrow files")
+    return [(f"{base}/{name}", items.get(name)) for name in names]
 
 
 def _is_shard_name(url: str) -> bool:
@@ -208,10 +233,13 @@ def _is_shard_name(url: str) -> bool:
 
 
 def detect_format(url: str, format: str | None = None) -> str:
-    """The shard format: ``format`` if given, else from the extension (.tar, .parquet, .pq)."""
+    """The shard format: ``format`` if given, else from the extension (.tar, .parquet, .pq,
+    .arrow)."""
     if format is not None:
         if format not in FORMATS:
-            raise ValueError(f"format must be one of 'tar', 'parquet' or None, got {format!r}")
+            raise ValueError(
+                f"format must be one of 'tar', 'parquet', 'arrow' or None, got {format!r}"
+            )
         return format
     found = _EXTENSIONS.get(url[url.rfind(".") :].lower())  # at a third of the cost below
     if found is not None:
@@ -226,8 +254,8 @@ def detect_format(url: str, format: str | None = None) -> str:
         if name.endswith(extension):
             return found
     raise ValueError(
-        f"cannot tell the format of {url!r} from its extension (.tar, .parquet, .pq); "
-        "pass format='tar' or format='parquet'"
+        f"cannot tell the format of {url!r} from its extension (.tar, .parquet, .pq, .arrow); "
+        "pass format='tar', 'parquet' or 'arrow'"
     )
 
 
