@@ -13,7 +13,7 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,19 +125,29 @@ def checked_config(config: AugmentationConfig | None) -> AugmentationConfig | No
 
 
 def checked_decode(
-    decode: Callable[[Any], Any] | str | None, config: AugmentationConfig | None
+    decode: Callable[[Any], Any] | str | Mapping[str, str] | None,
+    config: AugmentationConfig | None,
 ) -> Callable[[Any], Any] | None:
-    """``decode`` as a callable: a name of ``DECODER_NAMES`` is that :class:`SampleDecoder`;
-    a crop decoder needs a config with crop parameters."""
+    """``decode`` as a callable: a name of ``DECODER_NAMES``, or a mapping from field name to
+    a name of ``FIELD_DECODERS``, is that :class:`SampleDecoder`; a crop decoder needs a
+    config with crop parameters."""
     if isinstance(decode, str):
         if decode not in DECODER_NAMES:
             raise ValueError(
-                f"decode must be one of {', '.join(map(repr, DECODER_NAMES))}, a callable on "
-                f"samples or None, got {decode!r}"
+                f"decode must be one of {', '.join(map(repr, DECODER_NAMES))}, a mapping of "
+                f"field names to decoder names, a callable on samples or None, got {decode!r}"
             )
         return SampleDecoder(decode)
+    if isinstance(decode, Mapping):
+        try:
+            return SampleDecoder(decode)
+        except ValueError as exc:
+            raise ValueError(f"decode={dict(decode)!r}: {exc}") from None
     if decode is not None and not callable(decode):
-        raise ValueError(f"decode must be a callable, a decoder name or None, got {decode!r}")
+        raise ValueError(
+            f"decode must be a callable, a decoder name, a mapping of field names to decoder "
+            f"names or None, got {decode!r}"
+        )
     crops = isinstance(decode, SampleDecoder) and decode.crop_size is not None
     if crops and "crop_x" not in param_names(config):
         raise ValueError(

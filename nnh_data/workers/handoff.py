@@ -73,7 +73,8 @@ def collate_samples(samples: Sequence[Any]) -> Any:
 
 def collate_decoded(samples: Sequence[Any]) -> Any:
     """``default_collate`` (what decoding users get), wrapped for the hand-off in a worker;
-    a field with ``None`` in some samples (a nullable column) stays the list of its values."""
+    a field with ``None`` in some samples (a nullable column), or with lists of different
+    lengths, stays the list of its values."""
     return handed_out(_default_collate(samples))
 
 
@@ -129,8 +130,16 @@ def _nullable(collate_fn: Callable) -> Callable:
     return collate_column
 
 
-_COLLATE_MAP = {type(None): _nullable(list), **{kind: _nullable(fn) for kind, fn in
-                {**default_collate_fn_map, torch.Tensor: _stacked}.items()}}  # fmt: skip
+def _lists(batch: Sequence[list], *, collate_fn_map: Any = None) -> Any:
+    """``default_collate``'s lists (transposed); lists of different lengths (a Parquet list
+    column) stay the list of their values."""
+    if len(set(map(len, batch))) > 1:
+        return list(batch)
+    return collate(batch, collate_fn_map={k: f for k, f in collate_fn_map.items() if k is not list})
+
+
+_COLLATE_MAP = {**default_collate_fn_map, torch.Tensor: _stacked, list: _lists}
+_COLLATE_MAP = {type(None): _nullable(list), **{k: _nullable(f) for k, f in _COLLATE_MAP.items()}}
 
 
 def _collated(samples: Sequence[Any]) -> Any:
