@@ -1,8 +1,9 @@
-"""The ``nnh-data`` command: index shards, convert files or Parquet tables to tar shards.
+"""The ``nnh-data`` command: index shards, convert files, Parquet or Arrow tables to tar shards.
 
 nnh-data index "data/train-{000000..000063}.tar" --storage-options '{"anon": true}'
 nnh-data convert images/ "shards/train-%06d.tar" --max-count 10000
 nnh-data convert "table/*.parquet" "shards/train-%06d.tar" --max-bytes 1000000000
+nnh-data convert hf_saved/train "shards/train-%06d.tar"   # a datasets save_to_disk folder
 nnh-data cache warm "s3://bucket/train-*.tar" --cache-dir /local/cache --world-size 8 --ranks 0-3
 nnh-data cache stats /local/cache --json
 
@@ -29,18 +30,18 @@ from nnh_data.order.ranges import DistributedRangeSplitter
 from nnh_data.precompute.job_array import array_task_info
 from nnh_data.shards.index import ShardIndex, ShardInfo
 from nnh_data.shards.reading import build_shard_index
-from nnh_data.shards.sources import expand_sources
+from nnh_data.shards.sources import FORMATS, expand_sources
 from nnh_data.shards.writer import (
     count_directory_samples,
-    count_parquet_samples,
+    count_table_samples,
     directory_samples,
-    parquet_samples,
+    table_samples,
     write_shards,
 )
 
 __all__ = ["main"]
 
-_PARQUET = (".parquet", ".pq")
+_TABLES = (".parquet", ".pq", ".arrow")  # convert reads these as tables
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -92,15 +93,18 @@ def _parser() -> argparse.ArgumentParser:
         "index", help="build (or refresh) the index of shards", parents=[common]
     )
     index.add_argument("sources", nargs="+", help="shard URLs, globs or brace patterns")
-    index.add_argument("--format", choices=("tar", "parquet"), default=None)
+    index.add_argument("--format", choices=FORMATS, default=None)
     index.add_argument("--index-path", default=None, help="where to save the JSON index")
     index.add_argument("--rebuild", action="store_true", help="rescan every shard")
     index.set_defaults(run=_index)
 
     convert = commands.add_parser(
-        "convert", help="write tar shards from files or Parquet", parents=[common]
+        "convert", help="write tar shards from files, Parquet or Arrow", parents=[common]
     )
-    convert.add_argument("source", help="a folder of key.field files, or Parquet file(s)")
+    convert.add_argument(
+        "source", help="a folder of key.field files, Parquet or Arrow file(s), or a folder of "
+        "them (a Hugging Face save_to_disk folder included)",
+    )  # fmt: skip
     convert.add_argument("pattern", help="output shard names, like shards/train-%%06d.tar")
     convert.add_argument("--max-count", type=int, default=100_000)
     convert.add_argument("--max-bytes", type=int, default=3_000_000_000)
@@ -142,7 +146,7 @@ def _cache_parser(commands: argparse._SubParsersAction, common: argparse.Argumen
     warm.add_argument("--shuffle-window", type=int, default=1024, help="0: no shuffle")
     warm.add_argument("--uneven", choices=UNEVEN, default="pad")
     warm.add_argument("--batch-size", type=int, default=1, help="loader batch (worker ranges)")
-    warm.add_argument("--format", choices=("tar", "parquet"), default=None)
+    warm.add_argument("--format", choices=FORMATS, default=None)
     warm.set_defaults(run=_cache_warm)
     for action in (stats, verify, clear, warm):
         action.set_defaults(report=lambda text, seconds: text)
@@ -159,12 +163,12 @@ def _index(args: argparse.Namespace) -> ShardIndex:
 
 
 def _convert(args: argparse.Namespace) -> ShardIndex:
-    if args.source.rstrip("/").endswith(_PARQUET) or _parquet_folder(args):
+    if args.source.rstrip("/").endswith(_TABLES) or _table_folder(args):
         urls = [
-            u for u in expand_sources(args.source, args.storage_options) if u.endswith(_PARQUET)
+            u for u in expand_sources(args.source, args.storage_options) if u.endswith(_TABLES)
         ]
-        read = functools.partial(parquet_samples, urls, args.storage_options)
-        count = functools.partial(count_parquet_samples, urls, args.storage_options)
+        read = functools.partial(table_samples, urls, args.storage_options)
+        count = functools.partial(count_table_samples, urls, args.storage_options)
     else:
         where = (args.source, args.storage_options, args.pattern)
         follow = {"follow_symlinks": args.follow_symlinks}
@@ -276,14 +280,15 @@ def _in_array() -> bool:
     return array_task_info()[1] > 1
 
 
-def _parquet_folder(args: argparse.Namespace) -> bool:
-    """True when ``source`` is a folder that holds Parquet files (then only they are read:
-    tar shards beside them, such as this command's earlier output, are not inputs)."""
+def _table_folder(args: argparse.Namespace) -> bool:
+    """True when ``source`` is a folder that holds Parquet or Arrow files, a ``datasets``
+    ``save_to_disk`` folder included (then only they are read: tar shards beside them, such as
+    this command's earlier output, are not inputs)."""
     try:
         urls = expand_sources(args.source, args.storage_options)
-    except (ValueError, FileNotFoundError):
+    except FileNotFoundError:
         return False
-    return urls != [args.source] and any(url.endswith(_PARQUET) for url in urls)
+    return urls != [args.source] and any(url.endswith(_TABLES) for url in urls)
 
 
 def _summary(index: ShardIndex, seconds: float) -> str:

@@ -33,6 +33,7 @@ from webdataset.writer import make_encoder
 
 from nnh_data.atomic import temporary_name
 from nnh_data.checks import check_int
+from nnh_data.shards.arrow import open_ipc
 from nnh_data.shards.index import (
     INDEX_NAME,
     ShardIndex,
@@ -43,14 +44,16 @@ from nnh_data.shards.index import (
     save_entries,
     updated_entries,
 )
-from nnh_data.shards.sources import expand_sources
+from nnh_data.shards.sources import detect_format, expand_sources
 from nnh_data.shards.tar_members import BLOCK, split_name
 
 __all__ = [
     "count_directory_samples",
     "count_parquet_samples",
+    "count_table_samples",
     "directory_samples",
     "parquet_samples",
+    "table_samples",
     "write_shards",
 ]
 
@@ -289,53 +292,80 @@ def _output_pattern(fs: AbstractFileSystem, pattern: str | None) -> re.Pattern |
     return re.compile(r"\d+".join(map(re.escape, parts)))
 
 
-def parquet_samples(
+def table_samples(
     source: str | Sequence[str],
     storage_options: dict[str, Any] | None = None,
     start: int = 0,
     stop: int | None = None,
 ) -> Iterator[dict]:
-    """Samples from Parquet rows ``[start, stop)`` (counted over the files in order), one field
-    per column, named so that the value keeps its type when read back (as webdataset decodes
-    by extension): binary as it is (the column name is the field), strings as ``.txt``,
-    integers as ``.cls``, everything else (floats, booleans, lists, structs) as ``.json``; a
-    null leaves the field out of that sample, and a row with only nulls is left out (with a
-    warning: a tar sample needs a member). The key is the ``__key__`` column, else the file's
-    stem and the row number."""
+    """Samples from the rows ``[start, stop)`` (counted over the files in order) of Parquet or
+    Arrow IPC files (a ``datasets`` ``save_to_disk`` folder included), one field per column,
+    named so that the value keeps its type when read back (as webdataset decodes by
+    extension): binary as it is (the column name is the field), strings as ``.txt``, integers
+    as ``.cls``, a Hugging Face ``Image()`` value as its image file (``image.jpg``: the
+    extension of its path, else of its format; the path read relative to the file when its
+    bytes are null), everything else (floats, booleans, lists, structs) as ``.json``; a null
+    leaves the field out of that sample, and a row with only nulls is left out (with a warning:
+    a tar sample needs a member). The key is the ``__key__`` column, else the file's stem and
+    the row number."""
     first = 0
     for url in expand_sources(source, storage_options):
         fs, path = url_to_fs(url, **(storage_options or {}))
-        parquet = pq.ParquetFile(path, filesystem=fs)
-        rows = parquet.metadata.num_rows
-        low, high = max(start - first, 0), rows if stop is None else min(stop - first, rows)
-        first += rows
+        table = _TableFile(fs, path, detect_format(url))
+        high = table.rows if stop is None else min(stop - first, table.rows)
+        low, first = max(start - first, 0), first + table.rows
         if low < high:
-            yield from _parquet_rows(url, parquet, low, high)
+            yield from _table_rows(url, table, low, high)
 
 
-def count_parquet_samples(
+def count_table_samples(
     source: str | Sequence[str], storage_options: dict[str, Any] | None = None
 ) -> int:
-    """The rows of the Parquet files of ``source`` (from their footers)."""
+    """The rows of the Parquet or Arrow IPC files of ``source`` (from their metadata)."""
     total = 0
     for url in expand_sources(source, storage_options):
         fs, path = url_to_fs(url, **(storage_options or {}))
-        total += pq.read_metadata(path, filesystem=fs).num_rows
+        total += _TableFile(fs, path, detect_format(url)).rows
     return total
 
 
-def _parquet_rows(url: str, parquet: pq.ParquetFile, low: int, high: int) -> Iterator[dict]:
+parquet_samples = table_samples  # the names of Parquet-only days
+count_parquet_samples = count_table_samples
+
+
+class _TableFile:
+    """A Parquet or Arrow IPC file: its schema, row count and record batches."""
+
+    def __init__(self, fs: AbstractFileSystem, path: str, format: str) -> None:
+        if format == "arrow":
+            self._table = open_ipc(fs, path)
+            self.schema, self.rows = self._table.schema, self._table.num_rows
+        else:
+            self._parquet = pq.ParquetFile(path, filesystem=fs)
+            self.schema, self.rows = self._parquet.schema_arrow, self._parquet.metadata.num_rows
+        self.fs = fs
+
+    def batches(self) -> Iterator[pa.RecordBatch]:
+        if hasattr(self, "_table"):
+            return iter(self._table.to_batches())
+        return self._parquet.iter_batches()
+
+
+def _table_rows(url: str, table: _TableFile, low: int, high: int) -> Iterator[dict]:
     stem = url.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-    fields = {f.name: _field_name(f) for f in parquet.schema_arrow if f.name != "__key__"}
+    fields = {f.name: _field_name(f) for f in table.schema if f.name != "__key__"}
+    folder = url.rsplit("/", 1)[0] if "/" in url else "."
     row = 0
-    for batch in parquet.iter_batches():
+    for batch in table.batches():
         if row + batch.num_rows <= low:
             row += batch.num_rows
             continue
         for record in batch.to_pylist():
             if low <= row < high:
                 key = record.pop("__key__", None)
-                values = {fields[k]: _as_bytes(v) for k, v in record.items() if v is not None}
+                values = dict(_member_of(k, fields[k], v, folder, table.fs)
+                              for k, v in record.items() if v is not None)  # fmt: skip
+                values.pop(None, None)  # an Image() value with neither bytes nor path
                 key = f"{stem}/{row}" if key is None else str(key)
                 if values:
                     yield {"__key__": key, **values}
@@ -346,8 +376,14 @@ def _parquet_rows(url: str, parquet: pq.ParquetFile, low: int, high: int) -> Ite
             return
 
 
-def _field_name(field: pa.Field) -> str:
+def _field_name(field: pa.Field) -> str | None:
+    """The tar field of a column (None for a Hugging Face ``Image()`` column: named per value,
+    by :func:`_member_of`)."""
     kind = field.type
+    if pa.types.is_struct(kind) and {kind.field(i).name for i in range(kind.num_fields)} == {
+        "bytes", "path"
+    }:  # fmt: skip
+        return None
     if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
         return field.name
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
@@ -358,6 +394,29 @@ def _field_name(field: pa.Field) -> str:
         suffix = "json"
     name = field.name
     return name if name == suffix or name.endswith("." + suffix) else f"{name}.{suffix}"
+
+
+def _member_of(
+    column: str, field: str | None, value: Any, folder: str, fs: AbstractFileSystem
+) -> tuple[str | None, bytes]:
+    """A column's value as a tar member: its field name (None to leave it out) and bytes; an
+    ``Image()`` value (``field`` None) as its image file."""
+    if field is not None:
+        return field, _as_bytes(value)
+    data, path = value["bytes"], value["path"]
+    if data is None and path is None:
+        return None, b""
+    if data is None:
+        local = "://" in path or path.startswith("/")
+        with fs.open(path if local else f"{folder}/{path}", "rb") as file:
+            data = file.read()
+    extension = path.rsplit(".", 1)[-1].lower() if path and "." in path.rsplit("/", 1)[-1] else \
+        next((ext for magic, ext in _IMAGE_MAGIC if data.startswith(magic)), "bin")  # fmt: skip
+    return f"{column}.{extension}", data
+
+
+_IMAGE_MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG", "png"), (b"GIF8", "gif"), (b"BM", "bmp"),
+                (b"RIFF", "webp"), (b"II*\x00", "tif"), (b"MM\x00*", "tif"))  # fmt: skip
 
 
 def _as_bytes(value: Any) -> bytes:
