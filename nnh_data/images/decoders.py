@@ -115,6 +115,7 @@ class SampleDecoder:
         """The sample (or batch of columns) with its fields decoded."""
         if isinstance(item.get("__index__", 0), (int, np.integer)):  # a sample, not a batch
             return self._sample(item)
+        self._check_named(item, 0)
         rows = None
         if self.crop_size:
             rows = geometry_rows(item["__aug__"], len(item["__aug__"]["sample_id"]))
@@ -127,11 +128,10 @@ class SampleDecoder:
             values = [self._field(name, v, item, i, params[i]) for i, v in enumerate(column)]
             stack = self._stacks(name, decoder, column)
             out[name] = _stacked(values, decoder) if stack else values
-        self._check_named(item)
         return out
 
     def _sample(self, sample: Mapping[str, Any]) -> dict[str, Any]:
-        self._check_named(sample)
+        self._check_named(sample, None)
         return {name: value if name.startswith("__") or self._decoder_of(name) is None
                 else self._field(name, value, sample, None, sample)
                 for name, value in sample.items()}  # fmt: skip
@@ -153,12 +153,13 @@ class SampleDecoder:
             return True
         return _BASIC.get(decoder) is int and column.dtype.kind in "iu"
 
-    def _check_named(self, item: Mapping[str, Any]) -> None:
-        """A ``ShardError`` when the mapping names a field the sample (or batch) lacks."""
+    def _check_named(self, item: Mapping[str, Any], row: int | None) -> None:
+        """A ``ShardError`` when the mapping names a field the sample (or batch: named by its
+        ``row``) lacks."""
         if isinstance(self.images, dict) and not self.images.keys() <= item.keys():
             name = next(n for n in self.images if n not in item)
             fields = sorted(n for n in item if not n.startswith("__"))
-            raise _error(item, None, name, f"no such field (the fields: {fields})")
+            raise _error(item, row, name, f"no such field (the fields: {fields})")
 
     def _field(
         self, name: str, value: Any, item: Mapping[str, Any], row: int | None, params: Any

@@ -162,3 +162,24 @@ def test_convert_skips_symbolic_links_unless_asked(tmp_path, capsys):
     assert main(["convert", str(folder), pattern, "--follow-symlinks"]) == 0
     samples = list(iter_shard_samples(build_shard_index(pattern % 0).shards[0]))
     assert samples == [{"__key__": "a", "txt": b"A"}, {"__key__": "b", "txt": b"secret"}]
+
+
+def test_convert_a_save_to_disk_folder_with_images(tmp_path, capsys):
+    pytest.importorskip("datasets", reason="the datasets package (dev extra)")
+    from tests.nnh_data.hf_data import hf_row, row_of_key, write_parquet, write_saved
+
+    saved = write_saved(tmp_path / "saved", shards=3)
+    assert main(["convert", saved, str(tmp_path / "out" / "s-%d.tar"), "--max-count", "10"]) == 0
+    assert "4 shards, 37 samples" in capsys.readouterr().out
+    index = build_shard_index(str(tmp_path / "out"))
+    samples = [s for info in index.shards for s in iter_shard_samples(info)]
+    assert len(samples) == 37
+    for sample in samples:
+        row = hf_row(row_of_key(sample["__key__"], 3))
+        assert sample["image.jpg"] == row["image"]["bytes"]
+        assert int(sample["label.cls"]) == row["label"]
+        assert ("score.cls" in sample) == (row["score"] is not None)
+        assert json.loads(sample["tags.json"]) == row["tags"]
+    parquet = write_parquet(tmp_path / "parquet", shards=2)
+    assert main(["convert", parquet, str(tmp_path / "out2" / "s-%d.tar")]) == 0
+    assert "1 shards, 37 samples" in capsys.readouterr().out

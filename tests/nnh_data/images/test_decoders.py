@@ -17,6 +17,7 @@ from PIL import Image
 from nnh_data import (
     SampleDecoder,
     ShardedStreamingDataset,
+    ShardError,
     decode_crop,
     get_preset,
     streaming_loader,
@@ -163,3 +164,79 @@ def test_bad_decode_arguments_fail_at_construction(shards, kwargs, words):
 def test_sample_decoder_checks_its_arguments(kwargs, word):
     with pytest.raises(ValueError, match=word):
         SampleDecoder(**kwargs)
+
+
+def _hf_sample(**fields) -> dict:
+    return {"__key__": "k7", "__shard__": "/data/hf/train-0.parquet", **fields}
+
+
+def test_a_mapping_decodes_the_fields_it_names_and_leaves_the_others():
+    jpeg = encoded(picture(20, 12))
+    sample = _hf_sample(image=jpeg, label=2, caption=b"raw", n=None)
+    out = SampleDecoder({"image": "torchrgb8", "label": "cls", "n": "cls"})(sample)
+    assert out["image"].shape == (3, 12, 20) and out["label"] == 2
+    assert out["caption"] == b"raw" and out["n"] is None  # not named; a null stays None
+    assert SampleDecoder({"label": "cls", "t": "txt", "j": "json"})(
+        _hf_sample(label="3", t="text", j='{"a": 1}')
+    ) == _hf_sample(label=3, t="text", j={"a": 1})  # fmt: skip
+
+
+def test_image_values_decode_from_bytes_or_from_their_path(tmp_path):
+    pixels = picture(16, 10)
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "a.png").write_bytes(encoded(pixels, "PNG"))
+    shard = str(tmp_path / "part-0.parquet")
+    by_path = {"__key__": "a", "__shard__": shard, "image": {"bytes": None, "path": "images/a.png"}}
+    np.testing.assert_array_equal(SampleDecoder("rgb8")(by_path)["image"], pixels)
+    np.testing.assert_array_equal(SampleDecoder({"image": "rgb8"})(by_path)["image"], pixels)
+    assert SampleDecoder({"image": "bytes"})(by_path)["image"] == encoded(pixels, "PNG")
+    audio = {"__key__": "a", "audio": {"bytes": b"RIFF....WAVE", "path": "a.wav"}}
+    assert SampleDecoder("rgb8")(audio) == audio  # the same fields, another format: left alone
+
+
+def test_image_values_are_cropped_and_stacked_in_batches():
+    jpegs = [encoded(picture(30 + i, 20, seed=i)) for i in range(3)]
+    params = {"crop_x": [0, 1, 2], "crop_y": [0, 0, 1], "crop_w": [10, 12, 14],
+              "crop_h": [9, 8, 7], "flip": [0, 1, 0], "sample_id": [0, 1, 2]}  # fmt: skip
+    batch = {"__key__": ["a", "b", "c"], "__shard__": ["s"] * 3, "__index__": np.arange(3),
+             "__aug__": params, "image": [{"bytes": j, "path": None} for j in jpegs]}  # fmt: skip
+    for decoder in (SampleDecoder("torchrgb8", crop_size=8),
+                    SampleDecoder({"image": "torchrgb8"}, crop_size=8)):  # fmt: skip
+        images = decoder(batch)["image"]
+        assert images.shape == (3, 3, 8, 8)
+        row = {name: values[1] for name, values in params.items()}
+        want = torch.from_numpy(decode_crop(jpegs[1], row, 8)).permute(2, 0, 1)
+        assert torch.equal(images[1], want)
+
+
+def test_a_named_field_that_cannot_be_decoded_names_shard_key_and_field():
+    with pytest.raises(ShardError) as caught:
+        SampleDecoder({"label": "rgb8"})(_hf_sample(label=3))
+    assert caught.value.url == "/data/hf/train-0.parquet"
+    assert caught.value.position == "sample 'k7', field 'label'"
+    batch = {"__key__": ["a", "b"], "__shard__": ["s0", "s1"], "__index__": np.arange(2),
+             "image": [encoded(picture(8, 8)), b"not an image"]}  # fmt: skip
+    with pytest.raises(ShardError, match=r"s1: 'rgb8' cannot decode.*sample 'b', field 'image'"):
+        SampleDecoder({"image": "rgb8"})(batch)
+    with pytest.raises(ShardError, match=r"no such field \(the fields: \['image'\]\).*'label'"):
+        SampleDecoder({"label": "cls"})(_hf_sample(image=b""))
+    with pytest.raises(ShardError, match=r"^s0: no such field.*sample 'a', field 'label'"):
+        SampleDecoder({"label": "cls"})(batch)
+    assert SampleDecoder({"n": "cls"})({**batch, "n": np.arange(2)})["n"].tolist() == [0, 1]
+
+
+def test_image_bytes_in_a_field_without_an_image_extension_warn():
+    sample = _hf_sample(image=encoded(picture(8, 8)))
+    with pytest.warns(UserWarning, match=r"decode=\{'image': 'rgb8'\}"):
+        assert SampleDecoder("rgb8")(sample)["image"] == sample["image"]
+
+
+@pytest.mark.parametrize(
+    ("images", "word"),
+    [({}, "at least one"), ({"image": "png"}, "'image': 'png'"), ({3: "rgb8"}, "3: 'rgb8'")],
+)
+def test_a_mapping_is_checked(images, word):
+    with pytest.raises(ValueError, match=word):
+        SampleDecoder(images)
+    with pytest.raises(ValueError, match="crop_size decodes images"):
+        SampleDecoder({"label": "cls"}, crop_size=8)

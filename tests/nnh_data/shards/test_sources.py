@@ -158,3 +158,30 @@ def test_integer_ranges_expand_as_braceexpand_does(first, last, step, pad, with_
     expr = "..".join(ends) + (f"..{step}" if with_step else "")
     pattern = f"/no-such-folder/s-{{{expr}}}.tar"
     assert expand_sources(pattern) == list(braceexpand.braceexpand(pattern))
+
+
+def test_a_save_to_disk_folder_is_its_arrow_files_in_state_order(tmp_path):
+    import json
+
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    names = ["data-00001-of-00002.arrow", "data-00000-of-00002.arrow"]  # not sorted
+    for name in names + ["cache-x.arrow"]:  # a stray file the state does not list
+        (folder / name).write_bytes(b"")
+    state = {"_data_files": [{"filename": name} for name in names]}
+    (folder / "state.json").write_text(json.dumps(state))
+    (folder / "dataset_info.json").write_text("{}")
+    assert expand_sources(str(folder)) == [f"{folder}/{name}" for name in names]
+    assert [detect_format(url) for url in expand_sources(str(folder))] == ["arrow", "arrow"]
+
+
+def test_a_saved_dataset_dict_asks_for_one_split(tmp_path):
+    (tmp_path / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    with pytest.raises(ValueError, match=r"DatasetDict.*splits \['test', 'train'\].*/test'"):
+        expand_sources(str(tmp_path))
+
+
+def test_arrow_files_in_a_folder_and_by_their_magic(tmp_path):
+    (tmp_path / "a.arrow").write_bytes(b"ARROW1\x00\x00")
+    assert expand_sources(str(tmp_path)) == [f"{tmp_path}/a.arrow"]
+    assert content_format(b"ARROW1\x00\x00") == "an Arrow IPC file"
