@@ -46,6 +46,7 @@ torchvision modules that ``streaming.vision`` imports (nothing here uses them).
     .venv/bin/python tools/bench/peers.py [--samples 100000] [--images 10000] [--rounds 3]
         [--cases small,first_batch,jpeg] [--systems nnh,litdata,mosaic,webdataset]
         [--data-dir DIR]  # keeps the written data sets between invocations
+    .venv/bin/python tools/bench/peers.py --cases hf  # Hugging Face datasets (hf_datasets_peer)
 """
 
 from __future__ import annotations
@@ -496,6 +497,144 @@ def run_rounds(data: str, args: argparse.Namespace) -> tuple[dict, dict]:
     return results, details
 
 
+# ---------------------------------------------------------------- Hugging Face datasets (issue 33)
+
+
+def hf_datasets_peer(data: str, args: argparse.Namespace) -> dict:
+    """nnh against Hugging Face ``datasets``' own distributed streaming on the same Parquet
+    shards, written by ``datasets`` (``to_parquet``, ``PER_SHARD`` rows each; the small samples:
+    a ``__key__``, a 3 KiB ``bin`` and an int ``cls``). The peer is what its docs give for DDP:
+    ``Dataset.from_parquet`` (converted once into its Arrow cache, not timed), then
+    ``to_iterable_dataset(num_shards=<the shard count>)``, ``shuffle(seed, buffer_size=1000)``
+    and ``split_dataset_by_node``, batched by a ``DataLoader``; nnh reads the Parquet files
+    (``streaming_loader``, per-sample, shuffled). ``hf_w0`` / ``hf_w2``: samples/s of one epoch
+    at 1 rank with 0 and 2 workers (fresh process per run, systems taking turns) and CPU per
+    sample of all processes. ``exact``: at 2 and 3 ranks (20 shards: 3 does not divide them)
+    and 0 / 2 workers, in one process (rank by rank), whether the ranks together give every
+    sample once and whether each rank gets the same number of batches."""
+    folder = f"{data}/hf-{args.samples}"
+    if not os.path.exists(f"{folder}/.done"):
+        shutil.rmtree(folder, ignore_errors=True)
+        _hf_write(folder, args.samples)
+        open(f"{folder}/.done", "w").close()
+    _hf_child("hf", 0, folder)  # the Arrow cache of from_parquet, made once, outside the clock
+    results: dict = {}
+    for r in range(args.rounds):
+        for workers in (0, 2):
+            for system in ("nnh", "hf") if r % 2 == 0 else ("hf", "nnh"):
+                out = _hf_child(system, workers, folder)
+                print(f"round {r} hf_w{workers} {system}: {out}", file=sys.stderr)
+                results.setdefault(f"hf_w{workers}", {}).setdefault(system, []).append(out)
+    ratios = {}
+    for case, runs in results.items():
+        rate = [n["rate"] / p["rate"] for n, p in zip(runs["nnh"], runs["hf"])]
+        cpu = [p["cpu_us_per_row"] / n["cpu_us_per_row"] for n, p in zip(runs["nnh"], runs["hf"])]
+        ratios[f"{case}:nnh_vs_hf"] = [round(min(rate), 2), round(max(rate), 2)]
+        ratios[f"{case}_cpu_us_per_row:nnh_vs_hf"] = [round(min(cpu), 2), round(max(cpu), 2)]
+    exact = {f"{system}_world{world}_w{workers}": json.loads(subprocess.run(
+        [sys.executable, __file__, "--hf-exact", system, str(world), str(workers), folder],
+        capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+        for system in ("nnh", "hf") for world in (2, 3) for workers in (0, 2)}  # fmt: skip
+    figures = {case: {system: [{k: round(v, 2) for k, v in run.items()} for run in runs]
+                      for system, runs in by_system.items()}
+               for case, by_system in results.items()}  # fmt: skip
+    return {"ratios": ratios, "figures": figures, "exact": exact}
+
+
+def _hf_write(folder: str, count: int) -> None:
+    import datasets
+
+    datasets.disable_progress_bars()
+    os.makedirs(folder)
+    shards = -(-count // PER_SHARD)
+    for k in range(shards):
+        rows = list(small_samples(min(PER_SHARD, count - k * PER_SHARD), k * PER_SHARD))
+        part = datasets.Dataset.from_dict({name: [row[name] for row in rows] for name in rows[0]})
+        part.to_parquet(f"{folder}/train-{k:05d}-of-{shards:05d}.parquet")
+
+
+def _hf_loader(system: str, folder: str, workers: int, rank: int = 0, world: int = 1):
+    """The loader a user of ``system`` writes for rank ``rank`` of ``world``."""
+    from torch.utils.data import DataLoader
+
+    if system == "nnh":
+        from nnh_data import ShardedStreamingDataset, streaming_loader
+
+        ds = ShardedStreamingDataset(folder, rank=rank, world_size=world)
+        return streaming_loader(ds, BATCH, num_workers=workers)
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    files = sorted(f"{folder}/{name}" for name in os.listdir(folder) if name.endswith(".parquet"))
+    table = datasets.Dataset.from_parquet(files, cache_dir=f"{folder}/.hf-cache")
+    stream = table.to_iterable_dataset(num_shards=len(files)).shuffle(seed=0, buffer_size=1000)
+    stream = split_dataset_by_node(stream, rank=rank, world_size=world)
+    return DataLoader(stream, batch_size=BATCH, num_workers=workers)
+
+
+def _hf_child(system: str, workers: int, folder: str) -> dict:
+    done = subprocess.run([sys.executable, __file__, "--hf-run", system, str(workers), folder],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"{system} hf_w{workers} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _hf_run(system: str, workers: int, folder: str) -> dict:
+    """One epoch at 1 rank: samples/s and CPU per sample (all processes); imports and the
+    peer's cached table opened before the clock."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import datasets  # noqa: F401
+
+    import nnh_data  # noqa: F401
+
+    loader = _hf_loader(system, folder, workers)
+    rows = 0
+    start, cpu = time.perf_counter(), time.process_time()
+    for batch in loader:
+        rows += len(batch["cls"])
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    del loader
+    gc.collect()
+    children = os.times().children_user + os.times().children_system
+    return {"rate": rows / seconds, "rows": rows, "cpu_us_per_row": 1e6 * (cpu + children) / rows}
+
+
+def _hf_exact(system: str, world: int, workers: int, folder: str) -> dict:
+    """Rank by rank: the keys each rank gets and its batch count; whether every sample came
+    once, and whether the ranks got equal batch counts."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    seen: dict[str, int] = {}
+    batches, samples = [], []
+    for rank in range(world):
+        batches.append(0)
+        samples.append(0)
+        for batch in _hf_loader(system, folder, workers, rank, world):
+            keys = batch["__key__"]
+            batches[-1] += 1
+            samples[-1] += len(keys)
+            pads = batch["__pad__"].tolist() if "__pad__" in batch else [False] * len(keys)
+            for key, pad in zip(keys, pads):
+                if not pad:
+                    seen[key] = seen.get(key, 0) + 1
+    total = count_rows(folder)
+    return {"every_sample_once": len(seen) == total and set(seen.values()) == {1},
+            "missing": total - len(seen), "repeated": sum(c - 1 for c in seen.values()),
+            "batches_per_rank": batches, "samples_per_rank": samples,
+            "equal_batches": len(set(batches)) == 1}  # fmt: skip
+
+
+def count_rows(folder: str) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.read_metadata(f"{folder}/{name}").num_rows for name in os.listdir(folder)
+               if name.endswith(".parquet"))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=100_000)
@@ -505,13 +644,27 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--child", nargs=3, metavar=("SYSTEM", "CASE", "FOLDER"))
+    parser.add_argument("--hf-run", nargs=3, metavar=("SYSTEM", "WORKERS", "FOLDER"))
+    parser.add_argument("--hf-exact", nargs=4, metavar=("SYSTEM", "WORLD", "WORKERS", "FOLDER"))
     args = parser.parse_args()
     if args.child:
         child(*args.child)
         return
+    if args.hf_run or args.hf_exact:
+        system, *numbers, folder = args.hf_run or args.hf_exact
+        run = _hf_run if args.hf_run else _hf_exact
+        print(json.dumps(run(system, *map(int, numbers), folder)))
+        return
     args.cases, args.systems = args.cases.split(","), args.systems.split(",")
     data = args.data_dir or tempfile.mkdtemp(prefix="nnh-peers-")
     try:
+        if args.cases == ["hf"]:  # the Hugging Face datasets peer, on its own Parquet shards
+            load_before = os.getloadavg()
+            out = hf_datasets_peer(data, args)
+            out.update(samples=args.samples, rounds=args.rounds, load_before=load_before,
+                       load_after=os.getloadavg())  # fmt: skip
+            print(json.dumps(out))
+            return
         prepare(data, args)
         load_before = os.getloadavg()
         results, details = run_rounds(data, args)
