@@ -155,14 +155,16 @@ def loss_fn(logits: torch.Tensor, batch: dict) -> torch.Tensor:
 def exact_accuracy(handler: NNHandler, loader) -> tuple[float, int]:
     """Accuracy over every validation sample once (pads dropped, ranks gathered)."""
     handler.module.eval()
-    hits, ids = [], []
-    for batch in loader:
-        keep = ~batch["__pad__"]
-        logits = handler.module({"image": batch["image"][keep].to(handler.device)})
-        hits.append((logits.argmax(1).cpu() == batch["label"][keep]).float())
-        ids.append(batch["__index__"][keep])
+    hits, ids = zip(*(hits_of(handler, batch) for batch in loader))
     values, _ = gather_for_metrics(torch.cat(hits), torch.cat(ids))
     return values.mean().item(), len(values)
+
+
+def hits_of(handler: NNHandler, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 where the model is right, 0 where wrong, and the sample ids, without the pads."""
+    real = ~batch["__pad__"]
+    logits = handler.module({"image": batch["image"][real].to(handler.device)})
+    return (logits.argmax(1).cpu() == batch["label"][real]).float(), batch["__index__"][real]
 
 
 # ----------------------------------------------------------------------------- main

@@ -22,6 +22,7 @@ from nnh_data.cache.store import ShardCache
 from nnh_data.images.decoders import DECODER_NAMES, SampleDecoder
 from nnh_data.order.mixing import Source, plan_counts
 from nnh_data.precompute.read import PrecomputedParams, load_precomputed_params
+from nnh_data.shards.columnar import preload_conversions
 from nnh_data.shards.index import ShardIndex, build_shard_index
 from nnh_data.shards.sources import is_local
 from nnh_data.topology import built_on_rank0, dist_ready
@@ -78,6 +79,8 @@ def open_sources(
     none, and its draws per epoch planned (:func:`~nnh_data.order.mixing.plan_counts`)."""
     sources, mixed = _as_sources(source, epoch_size)
     indexes = [_index_of(s, rank, world_size, defaults) for s in sources]
+    if any(info.format != "tar" for index in indexes for info in index.shards):
+        preload_conversions()  # once here, not in each DataLoader worker
     counts = plan_counts([i.total_samples for i in indexes], sources, epoch_size)
     return Data(sources, mixed, indexes, counts)
 
