@@ -292,7 +292,7 @@ def test_skip_keeps_a_shard_found_unreadable_while_indexing(tar_shards):
         ({"seed": 2**64}, r"seed must be in \[0, 18446744073709551615\], got 18446744073709551616"),
         ({"aug_config": {"rotation_range": (0, 1)}}, "aug_config must be an AugmentationConfig"),
         ({"decode": "rgb"}, "decode must be one of 'pil', 'rgb8'.*got 'rgb'"),
-        ({"decode": 3}, "decode must be a callable, a decoder name or None, got 3"),
+        ({"decode": 3}, "decode must be a callable, a decoder name, a mapping .* or None, got 3"),
     ],
 )
 def test_arguments_are_validated(tar_shards, kwargs, message):
