@@ -72,7 +72,8 @@ class ShardedStreamingDataset(IterableDataset):
 
     Args:
         source: URLs, a glob, a brace pattern or a folder (anything :func:`build_shard_index`
-            takes; tar or Parquet, any fsspec filesystem), a built ``ShardIndex``, or a list
+            takes; tar, Parquet or Arrow IPC, a ``datasets`` ``save_to_disk`` folder, any
+            fsspec filesystem), a built ``ShardIndex``, or a list
             of :class:`~nnh_data.order.mixing.Source` to mix several datasets (samples then
             carry ``__source__``, the source's name or position, and ``__repeat__``, True for
             a sample drawn again in the same epoch, which gets its own parameters;
@@ -93,12 +94,13 @@ class ShardedStreamingDataset(IterableDataset):
             position) or ``"skip"``: unreadable samples are left out, counted in
             :attr:`error_counts`, warned about once per shard (the rank then yields fewer
             than ``len()``).
-        decode: a callable on each sample (each batch, with ``batch_size``) or a name of
-            :data:`~nnh_data.images.decoders.DECODER_NAMES` (webdataset's decoders).
+        decode: a callable on each sample (each batch, with ``batch_size``), a name of
+            :data:`~nnh_data.images.decoders.DECODER_NAMES` (webdataset's decoders, chosen by
+            each field's extension), or a mapping from field name to such a name.
         shuffle_window: samples shuffled together (and decoded samples held in memory).
         readahead: read blocks fetched ahead in a thread (default 2 for remote filesystems,
             0 for local ones, where a thread only adds hand-off cost).
-        format: ``"tar"`` or ``"parquet"`` (default: by extension).
+        format: ``"tar"``, ``"parquet"`` or ``"arrow"`` (default: by extension).
         storage_options: fsspec options of the shards' filesystem.
         index_path: where the index sidecar is kept (default beside the shards).
         batch_size: yield batches of this many consecutive samples instead of samples, for
