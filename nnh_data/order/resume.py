@@ -398,12 +398,12 @@ def global_start(
     world_size: int,
     num_workers: int,
     worker: int,
-    unit: int,
+    unit: int | None,
 ) -> tuple[int, int]:
     """``(start, skip)`` of a pass of global batches after ``state``: the rank item of a
-    ``world_size`` layout (loader batches of ``unit``) where the pass starts, and the items
-    worker ``worker`` of ``num_workers`` handed out of it already (a one-worker state resumes
-    only its own worker of its own layout).
+    ``world_size`` layout (loader batches of ``unit``; None: not known yet, not checked) where
+    the pass starts, and the items worker ``worker`` of ``num_workers`` handed out of it
+    already (a one-worker state resumes only its own worker of its own layout).
 
     Example:
         >>> state = {"global_batch_size": 8, "world_size": 2, "start": [1, 0],
@@ -428,7 +428,7 @@ def global_start(
             )
         return first, state["consumed"][worker]
     step, items = divmod(first + sum(state["consumed"]), share)
-    if items and (world_size != world or items % unit):
+    if items and (world_size != world or unit is not None and items % unit):
         raise ValueError(
             f"this state stopped inside global step {step}, after {items} of the {share} items "
             f"each of its {world} ranks takes of it: it resumes only at world_size={world} with "

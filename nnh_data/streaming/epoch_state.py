@@ -234,7 +234,7 @@ class GlobalEpochState(EpochState):
         from it."""
         super().load_state_dict(state, strict)
         try:
-            self._pass_start()
+            self._pass_start(loader_batch=False)
         except ValueError:
             self.pending = None
             raise
@@ -259,14 +259,14 @@ class GlobalEpochState(EpochState):
         plan = self.current_plan if run is self.current else None
         return {"start": divmod(0 if plan is None else plan.start, self.share.share)}
 
-    def _pass_start(self) -> int:
+    def _pass_start(self, loader_batch: bool = True) -> int:
         """The rank item the next pass starts at (for a one-worker state: where the pass it
         belongs to started); a ``ValueError`` when the pending state does not resume at this
-        world size and loader batch."""
+        world size (and, with ``loader_batch``, this loader batch)."""
         state = self.pending
         if state is None:
             return 0
         if None in state["consumed"]:
             return state["start"][0] * self.share.share + state["start"][1]
         return global_start(state, world_size=self.layout.world_size, num_workers=1, worker=0,
-                            unit=self.unit)[0]  # fmt: skip
+                            unit=self.unit if loader_batch else None)[0]  # fmt: skip
