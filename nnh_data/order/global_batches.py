@@ -282,14 +282,16 @@ def read_pieces(batches: Iterator[Batch], gb: GlobalBatches, window: int) -> Ite
         >>> [(r.lane, r.lo, r.hi) for r in read_pieces(worker_batches(share, 0, 1, 0), gb, 2)]
         [(0, 0, 2), (4, 0, 2), (1, 0, 2), (5, 0, 2)]
     """
-    entered = [-1] * gb.lanes  # the last window entered, per lane
+    entered = np.full(gb.lanes, -1, dtype=np.int64)  # the last window entered, per lane
+    lengths = np.diff(gb.lane_starts).tolist()
     for batch in batches:
-        for lane, lo, hi, pad in zip(batch.lane.tolist(), batch.lo.tolist(), batch.hi.tolist(),
-                                     batch.pad.tolist()):  # fmt: skip
-            if pad:
+        # most batches enter no window: their runs are only looked at one by one when one does
+        marked = np.flatnonzero(batch.pad | ((batch.hi - 1) // window > entered[batch.lane]))
+        for i in marked.tolist():
+            lane, lo, hi = int(batch.lane[i]), int(batch.lo[i]), int(batch.hi[i])
+            if batch.pad[i]:
                 yield Read(lane, lo, hi, True)
                 continue
-            end = gb.lane_length(lane)
-            for w in range(max(lo // window, entered[lane] + 1), (hi - 1) // window + 1):
-                yield Read(lane, max(lo, w * window), min((w + 1) * window, end))
+            for w in range(max(lo // window, int(entered[lane]) + 1), (hi - 1) // window + 1):
+                yield Read(lane, max(lo, w * window), min((w + 1) * window, lengths[lane]))
                 entered[lane] = w

@@ -14,11 +14,12 @@ takes. What that costs: one window held per lane the worker reads, and a join pe
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
-from nnh_data.columns import Columns, concat, cut
+from nnh_data.columns import ARROW, Columns, concat, one_array, take
 from nnh_data.order.epoch import EpochOrder, coalesce
 from nnh_data.order.global_batches import (
     Batch,
@@ -36,6 +37,7 @@ from nnh_data.streaming.stats import Meter
 __all__ = ["GlobalPlan", "global_labels", "global_parts", "lane_orders"]
 
 _UNSHUFFLED = 1024  # lane items read together without shuffle
+_CHUNK_ROWS = 8192  # rows of loader batches taken at once
 _LABEL_CHUNK = 1 << 20  # planned labels computed at a time
 
 
@@ -75,28 +77,71 @@ def global_parts(
     params: Callable[[np.ndarray], Columns],
     meter: Meter,
 ) -> Iterator[Part]:
-    """One part per loader batch of ``plan``, with its parameters (``params`` of a part's
-    keys); ``upcoming``: the worker's plan of the next epoch, for the cache."""
+    """The rows of ``plan``'s loader batches, in order, with their parameters (``params`` of
+    a part's keys), in parts of whole batches; ``upcoming``: the worker's plan of the next
+    epoch, for the cache."""
     pieces = _pieces(reader, epoch, plan)
     following = [] if upcoming is None else _pieces(reader, epoch + 1, upcoming)
-    read = reader.read(pieces, following, rows, num_workers=plan.num_workers, meter=meter)
-    stream = _located(read, params)
-    held: dict[int, tuple[Part, int]] = {}  # per lane: the part in use and its first item
-    for batch in plan.batches():
+    read = reader.read(pieces, following, replace(rows, take=_Later),
+                       num_workers=plan.num_workers, meter=meter)  # fmt: skip
+    lanes, pools = _Lanes(_located(read, params)), _Pools(rows)
+    batches = plan.batches()
+    while chunk := _chunk(batches):
+        yield pools.taken([span for batch in chunk for span in lanes.spans(batch)], lanes.held)
+        for part in lanes.released():
+            pools.release(part)
+
+
+def _chunk(batches: Iterator[Batch]) -> list[Batch]:
+    """The next loader batches, up to :data:`_CHUNK_ROWS` rows (one at least): handed out as
+    one part, in order (the loader cuts its batches from the rows it is handed)."""
+    chunk, size = [], 0
+    for batch in batches:
+        chunk.append(batch)
+        size += batch.size
+        if size >= _CHUNK_ROWS:
+            break
+    return chunk
+
+
+class _Lanes:
+    """The part each lane holds, the next one pulled from ``stream`` (in need order) when a run
+    goes past it; the parts let go of since :meth:`released` was last asked."""
+
+    def __init__(self, stream: Iterator[tuple[int, Part, int]]) -> None:
+        self.stream = stream
+        self.held: set[int] = set()  # the ids of the parts held
+        self._parts: dict[int, tuple[Part, int]] = {}  # per lane: its part and first item
+        self._released: list[Part] = []
+
+    def spans(self, batch: Batch) -> list[tuple[Part, int, int]]:
+        """The batch's runs as ``(part, a, b)``: rows ``[a, b)`` of a part."""
         spans = []
         for lane, lo, hi, pad in zip(batch.lane.tolist(), batch.lo.tolist(), batch.hi.tolist(),
                                      batch.pad.tolist()):  # fmt: skip
             while lo < hi:
-                part, first = held.get(lane, (None, 0))
+                part, first = self._parts.get(lane, (None, 0))
                 if pad or part is None or lo >= first + part.keys.size:
-                    got, part, first = next(stream)
-                    assert got == (-1 if pad else lane), "lane parts must come in need order"
-                    if not pad:
-                        held[lane] = (part, first)
+                    part, first = self._pull(-1 if pad else lane)
                 stop = min(hi, first + part.keys.size)
                 spans.append((part, lo - first, stop - first))
                 lo = stop
-        yield _joined(spans, rows)
+        return spans
+
+    def released(self) -> list[Part]:
+        released, self._released = self._released, []
+        return released
+
+    def _pull(self, lane: int) -> tuple[Part, int]:
+        got, part, first = next(self.stream)
+        assert got == lane, "lane parts must come in need order"
+        if lane >= 0:
+            if lane in self._parts:
+                self._released.append(self._parts[lane][0])
+                self.held.discard(id(self._released[-1]))
+            self._parts[lane] = (part, first)
+            self.held.add(id(part))
+        return part, first
 
 
 def _pieces(reader: SourceReader, epoch: int, plan: GlobalPlan) -> list[Piece]:
@@ -116,22 +161,85 @@ def _located(
     previous, end = None, 0
     for piece, part in read:
         part.params = params(part.keys)
+        if isinstance(part.rows, _Later):
+            part.rows = _Later(_held(part.rows.rows), part.rows.indices)
         first = end if piece is previous else piece.positions[0][0]
         previous, end = piece, first + part.keys.size
         yield (-1 if piece.pad else piece.order.lane), part, first
 
 
-def _joined(spans: list[tuple[Part, int, int]], rows: Rows) -> Part:
-    """The rows ``[a, b)`` of each ``(part, a, b)`` of ``spans``, in order, as one part."""
-    if len(spans) == 1 and spans[0][1] == 0 and spans[0][2] == spans[0][0].keys.size:
-        return spans[0][0]
-    taken = [rows.cut(part.rows, a, b) for part, a, b in spans]
-    return Part(
-        taken[0] if len(taken) == 1 else rows.join(taken),
-        concat([cut(part.labels, a, b) for part, a, b in spans]),
-        np.concatenate([part.keys[a:b] for part, a, b in spans]),
-        concat([cut(part.params, a, b) for part, a, b in spans]),
-    )
+@dataclass(frozen=True)
+class _Later:
+    """A part's rows as read and the indices that put them in its order: taken once, when a
+    loader batch gathers them (:class:`_Pools`), not first into the lane's order."""
+
+    rows: Any
+    indices: np.ndarray
+
+
+class _Pools:
+    """The parts a worker's loader batches take rows from, joined once, so that a chunk of
+    batches is one take per field: a batch takes a run from each of its lanes' held parts, and
+    the next batches of the same lanes take from the same parts until a lane moves to its next
+    window. A join is kept while all its parts are held (one per set of
+    parts); one with a part that is not held (a pad, a lane's previous window at a window's
+    edge) serves one chunk. The rows are joined as read and taken once, through the parts'
+    indices (:class:`_Later`)."""
+
+    def __init__(self, rows: Rows) -> None:
+        self.rows = rows
+        self._joins: dict[frozenset[int], tuple[Part, np.ndarray, dict[int, int]]] = {}
+
+    def taken(self, spans: list[tuple[Part, int, int]], held: set[int]) -> Part:
+        """The rows ``[a, b)`` of each ``(part, a, b)`` of ``spans``, in order, as one part;
+        ``held``: the ids of the parts that the lanes hold."""
+        parts = {id(part): part for part, _, _ in spans}
+        key = frozenset(parts)
+        joined, read, offsets = self._joins.get(key) or self._join(list(parts.values()))
+        if key <= held:
+            self._joins[key] = joined, read, offsets
+        starts = np.array([offsets[id(part)] + a for part, a, _ in spans], dtype=np.int64)
+        sizes = np.array([b - a for _, a, b in spans], dtype=np.int64)
+        indices = np.repeat(starts - np.cumsum(sizes) + sizes, sizes) + np.arange(sizes.sum())
+        return Part(self.rows.take(joined.rows, read[indices]), take(joined.labels, indices),
+                    joined.keys[indices], take(joined.params, indices))  # fmt: skip
+
+    def release(self, part: Part) -> None:
+        """``part`` is no longer held: the joins with it go."""
+        gone = [key for key in self._joins if id(part) in key]
+        for key in gone:
+            del self._joins[key]
+
+    def _join(self, parts: list[Part]) -> tuple[Part, np.ndarray, dict[int, int]]:
+        """``parts`` as one part (its rows as read, Arrow columns as one array each, which a
+        take needs), the rows as read of each of its rows, and where each part starts."""
+        reads, at, read = [], 0, []
+        for part in parts:
+            rows = part.rows if isinstance(part.rows, _Later) else \
+                _Later(part.rows, np.arange(part.keys.size))  # fmt: skip
+            reads.append(rows.rows)
+            read.append(rows.indices + at)
+            at += self.rows.size(rows.rows)
+        joined = Part(
+            _held(reads[0] if len(reads) == 1 else self.rows.join(reads)),
+            concat([part.labels for part in parts]),
+            np.concatenate([part.keys for part in parts]),
+            concat([part.params for part in parts]),
+        )
+        starts = np.cumsum([0] + [part.keys.size for part in parts]).tolist()
+        return joined, np.concatenate(read), {id(p): a for p, a in zip(parts, starts)}
+
+
+def _held(columns: Columns) -> Columns:
+    """``columns`` to hold for a while: every Arrow column as one array (a take needs it:
+    :func:`nnh_data.columns.one_array`), lists of values as tuples. A worker holds a window
+    per lane, and the cyclic collector walks every list it holds at each full collection
+    (several times an epoch), where it stops tracking a tuple of untracked values (bytes, text,
+    numbers) the first time it meets it: with 128 lanes held, the lists cost a third more CPU."""
+    return {name: _held(col) if isinstance(col, dict) else
+            one_array(col) if isinstance(col, ARROW) else
+            tuple(col) if isinstance(col, list) else col
+            for name, col in columns.items()}  # fmt: skip
 
 
 def global_labels(order: EpochOrder, plan: GlobalPlan) -> Iterator[dict[str, np.ndarray]]:
