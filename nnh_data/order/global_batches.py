@@ -138,6 +138,16 @@ class GlobalBatches:
         """Samples in lane ``lane``."""
         return int(self.lane_starts[lane + 1] - self.lane_starts[lane])
 
+    def real(self, step: int) -> int:
+        """Samples of step ``step`` that are not pads (a trainer averages its loss over them).
+
+        Example:
+            >>> [GlobalBatches(10, 4, 2).real(k) for k in range(3)]
+            [4, 4, 2]
+        """
+        check_int("step", step, low=0, high=self.steps - 1)
+        return min(self.global_batch_size, self.kept - step * self.global_batch_size)
+
     def locate(self, t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(lane, item, pad)`` of stream positions ``t`` (int64): a pad is the lane item of
         the sample it repeats."""

@@ -26,6 +26,7 @@ from torch.utils.data import IterableDataset
 from nnh_data.augment.params import AugmentationConfig
 from nnh_data.checks import check_choice, check_int
 from nnh_data.order.epoch import UNEVEN
+from nnh_data.order.global_batches import GlobalBatches
 from nnh_data.order.mixing import Source
 from nnh_data.order.resume import (
     merge_states,
@@ -209,6 +210,11 @@ class ShardedStreamingDataset(IterableDataset):
     def total_samples(self) -> int:
         """Samples in one epoch over all ranks (pads not counted)."""
         return self._state.layout.total
+
+    @property
+    def global_batches(self) -> GlobalBatches | None:
+        """The arithmetic of its global batches (steps, their samples), None without."""
+        return self._state.batches if isinstance(self._state, GlobalEpochState) else None
 
     @property
     def epoch(self) -> int:

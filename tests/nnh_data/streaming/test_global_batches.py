@@ -336,3 +336,18 @@ def test_audit_stats_and_decode_in_this_mode(tmp_path):
     for batch in again:
         audit.update(batch)
     assert audit.verify().ok
+
+
+def test_precomputed_parameters_in_this_mode(tmp_path):
+    from nnh_data import PrecomputeSpec, get_preset, write_precomputed_params
+
+    index = build_shard_index(write_shards(str(tmp_path), [13, 21]))
+    config = get_preset("mild")
+    spec = PrecomputeSpec(34, epochs=2, config=config, seed=7, rows_per_file=9)
+    write_precomputed_params(spec, tmp_path / "table", progress=False)
+    kw = {"global_batch_size": 8, "partitions": 4, "aug_config": config, "epoch": 1}
+    for ds in datasets(index, 2, **kw):
+        generated = list(ds)
+        replayed = list(ShardedStreamingDataset(index, rank=ds.rank, world_size=2, **SETTINGS,
+                                                precomputed=str(tmp_path / "table"), **kw))
+        assert [s["__aug__"] for s in generated] == [s["__aug__"] for s in replayed]
