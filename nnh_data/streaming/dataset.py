@@ -45,7 +45,7 @@ from nnh_data.streaming.arguments import (
     open_sources,
     precomputed_of,
 )
-from nnh_data.streaming.epoch_state import EpochState, GlobalEpochState, Layout
+from nnh_data.streaming.epoch_state import GlobalEpochState, Layout, epoch_state
 from nnh_data.streaming.error_policy import ON_ERROR, ErrorPolicy
 from nnh_data.streaming.pipeline import Parameters, Pipeline
 from nnh_data.streaming.stats import DataStats
@@ -64,8 +64,7 @@ class ShardedStreamingDataset(IterableDataset):
 
     - what to read: ``source``, ``format``, ``storage_options``, ``index_path``, ``epoch_size``;
     - the order and split: ``shuffle``, ``seed``, ``epoch``, ``shuffle_window``, ``rank``,
-      ``world_size``, ``uneven``, and ``global_batch_size`` with ``partitions`` for global
-      batches that are the same at every world size that fits (``docs/global_batches.md``);
+      ``world_size``, ``uneven``, ``global_batch_size`` and ``partitions``;
     - what each sample carries: ``aug_config``, ``rank_aware_params``, ``precomputed``,
       ``decode``, ``batch_size``;
     - how it is read: ``readahead``, ``cache_dir``, ``cache_limit``, ``cache_prefetch``,
@@ -118,12 +117,10 @@ class ShardedStreamingDataset(IterableDataset):
             future order; :mod:`nnh_data.cache`).
         cache_limit: the cache's size bound (bytes, or text such as ``"50GB"``).
         cache_prefetch: whole shards each worker fetches ahead into the cache.
-        global_batch_size: global batches of this many samples over all ranks, the same
-            sample ids with the same parameters at every world size that divides it and
-            divides ``partitions`` or is a multiple of it (another world size is refused);
-            each rank gets its share of every one, in loader batches that divide that share
-            (by default the share itself), the same at any number of DataLoader workers.
-            The state is then the global step (:mod:`nnh_data.order.global_batches`).
+        global_batch_size: global batches of this many samples, the same ids and parameters
+            at every world size that divides it and divides ``partitions`` or is a multiple of
+            it (others are refused), each rank's share in loader batches that divide it, at any
+            worker count; the state is the global step (``docs/global_batches.md``).
         partitions: the partitions of global batches, fixed for the run (default 64).
 
     Example:
@@ -182,8 +179,7 @@ class ShardedStreamingDataset(IterableDataset):
         self.cache = cache_of(cache_dir, cache_limit)
         self.cache_prefetch = check_int("cache_prefetch", cache_prefetch, low=0)
         steps = checked_global(global_batch_size, partitions, data, on_error=self.on_error,
-                               rank_aware_params=self.rank_aware_params,
-                               batch_size=self.batch_size)  # fmt: skip
+            rank_aware_params=self.rank_aware_params, batch_size=self.batch_size)  # fmt: skip
         self.global_batch_size, self.partitions = steps or (None, None)
         # Shared with DataLoader workers (fork and spawn pass shared-memory tensors by handle),
         # in one segment (each costs a shared-memory file): the epoch state's four numbers,
@@ -197,10 +193,9 @@ class ShardedStreamingDataset(IterableDataset):
             data, window=self.window, storage_options=storage_options, readahead=self.readahead,
             cache=self.cache, cache_prefetch=self.cache_prefetch, seed=self.seed, params=params,
             errors=errors, decode=self.decode, batch_size=self.batch_size)  # fmt: skip
-        layout = Layout(sum(data.counts), self.world_size, self.rank, self.uneven, self.seed,
-                        self.window, data.fingerprint(), self.batch_size)  # fmt: skip
-        self._state = EpochState(layout, epoch, shared[:4]) if steps is None else \
-            GlobalEpochState(layout, epoch, shared[:4], *steps)  # fmt: skip
+        self._state = epoch_state(Layout(
+            sum(data.counts), self.world_size, self.rank, self.uneven, self.seed, self.window,
+            data.fingerprint(), self.batch_size), epoch, shared[:4], steps)  # fmt: skip
         self.data_stats = DataStats()  # what every process reading this dataset counts
         self._skipped_before = sum(self.error_counts.values())
         self._check_precomputed()
@@ -253,8 +248,8 @@ class ShardedStreamingDataset(IterableDataset):
     def set_loader_batch_size(self, batch_size: int) -> None:
         """Cut worker ranges in whole batches of the loader's ``batch_size`` (per-sample mode),
         so a DataLoader with workers yields exactly ``ceil(len(ds) / batch_size)`` batches
-        with at most one short batch per rank (with global batches: a divisor of a rank's
-        share of one). :func:`streaming_loader` calls it."""
+        with at most one short batch per rank (global batches: a divisor of a rank's share).
+        :func:`streaming_loader` calls it."""
         if self.batch_size is not None:
             raise ValueError(
                 "set_loader_batch_size is for per-sample mode; this dataset yields batches of "

@@ -35,7 +35,7 @@ from nnh_data.streaming.pipeline import Pass
 from nnh_data.streaming.stats import Meter
 from nnh_data.topology import in_worker_process
 
-__all__ = ["EpochState", "GlobalEpochState", "Layout"]
+__all__ = ["EpochState", "GlobalEpochState", "Layout", "epoch_state"]
 
 
 @dataclass(frozen=True)
@@ -270,3 +270,13 @@ class GlobalEpochState(EpochState):
             return state["start"][0] * self.share.share + state["start"][1]
         return global_start(state, world_size=self.layout.world_size, num_workers=1, worker=0,
                             unit=self.unit if loader_batch else None)[0]  # fmt: skip
+
+
+def epoch_state(
+    layout: Layout, epoch: int, shared: torch.Tensor, steps: tuple[int, int] | None
+) -> EpochState:
+    """The epoch state of a dataset: of global batches of ``steps`` = (global batch size,
+    partitions), or of the plain split (None)."""
+    if steps is None:
+        return EpochState(layout, epoch, shared)
+    return GlobalEpochState(layout, epoch, shared, *steps)
