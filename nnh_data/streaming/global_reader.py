@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from nnh_data.columns import ARROW, Columns, concat, one_array, take
 from nnh_data.order.epoch import EpochOrder, coalesce
@@ -30,6 +31,7 @@ from nnh_data.order.global_batches import (
     worker_length,
 )
 from nnh_data.order.lanes import LaneOrder
+from nnh_data.packed import is_view
 from nnh_data.streaming.source_reader import Piece, SourceReader
 from nnh_data.streaming.stages import Part, Rows
 from nnh_data.streaming.stats import Meter
@@ -162,7 +164,7 @@ def _located(
     for piece, part in read:
         part.params = params(part.keys)
         if isinstance(part.rows, _Later):
-            part.rows = _Later(_held(part.rows.rows), part.rows.indices)
+            part.rows = _Later(_held(part.rows.rows, own=True), part.rows.indices)
         first = end if piece is previous else piece.positions[0][0]
         previous, end = piece, first + part.keys.size
         yield (-1 if piece.pad else piece.order.lane), part, first
@@ -230,16 +232,34 @@ class _Pools:
         return joined, np.concatenate(read), {id(p): a for p, a in zip(parts, starts)}
 
 
-def _held(columns: Columns) -> Columns:
+def _held(columns: Columns, own: bool = False) -> Columns:
     """``columns`` to hold for a while: every Arrow column as one array (a take needs it:
-    :func:`nnh_data.columns.one_array`), lists of values as tuples. A worker holds a window
-    per lane, and the cyclic collector walks every list it holds at each full collection
-    (several times an epoch), where it stops tracking a tuple of untracked values (bytes, text,
-    numbers) the first time it meets it: with 128 lanes held, the lists cost a third more CPU."""
-    return {name: _held(col) if isinstance(col, dict) else
-            one_array(col) if isinstance(col, ARROW) else
+    :func:`nnh_data.columns.one_array`), with ``own`` its values copied out of the read buffers
+    (:func:`_own_values`), lists of values as tuples. A worker holds a window per lane, and the
+    cyclic collector walks every list it holds at each full collection (several times an
+    epoch), where it stops tracking a tuple of untracked values (bytes, text, numbers) the first
+    time it meets it: with 128 lanes held, the lists cost a third more CPU."""
+    return {name: _held(col, own) if isinstance(col, dict) else
+            (_own_values if own else _same)(one_array(col)) if isinstance(col, ARROW) else
             tuple(col) if isinstance(col, list) else col
             for name, col in columns.items()}  # fmt: skip
+
+
+def _same(column: pa.Array) -> pa.Array:
+    return column
+
+
+def _own_values(column: pa.Array) -> pa.Array:
+    """Views of bytes or text (:func:`~nnh_data.packed.is_view`) with their values copied into
+    buffers of their own (Arrow's, which its pool keeps from epoch to epoch), so that the read
+    buffers they were decoded from go back to the reader, which reuses a few: a window held per
+    lane would otherwise keep its read buffers, and each epoch's be new memory, zeroed page by
+    page (133,000 page faults an epoch for the 256 lanes of one rank of 2 workers reading
+    512 MB)."""
+    if not is_view(column.type):
+        return column
+    plain = pa.string() if pa.types.is_string_view(column.type) else pa.binary()
+    return column.cast(plain).cast(column.type)
 
 
 def global_labels(order: EpochOrder, plan: GlobalPlan) -> Iterator[dict[str, np.ndarray]]:
