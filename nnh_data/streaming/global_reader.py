@@ -6,9 +6,12 @@ the loader batches worker ``w`` yields, as runs of lane items, and what it reads
 lane window it enters, in the order it first needs it, and each pad). The reads go through the
 source's :class:`~nnh_data.streaming.source_reader.SourceReader` as one stream of pieces (one
 read-ahead thread, one cache session, the next epoch's pieces planned in the cache); each lane
-window comes out as one part with its parameters (one call per window, as in a plain pass), is
-held while the lane's items are taken from it, and a loader batch is the join of the runs it
-takes. What that costs: one window held per lane the worker reads, and a join per batch.
+window comes out as one part with its parameters (one call per window, as in a plain pass), its
+rows as read and the indices that order them, and is held while the lane's items are taken from
+it. The held parts are joined once (until a lane moves on), and a chunk of loader batches is one
+take per field from the join: each row is gathered once, as in a plain pass. What that costs:
+one window held per lane the worker reads (its values copied out of the read buffers), and the
+join.
 """
 
 from __future__ import annotations
@@ -183,10 +186,9 @@ class _Pools:
     """The parts a worker's loader batches take rows from, joined once, so that a chunk of
     batches is one take per field: a batch takes a run from each of its lanes' held parts, and
     the next batches of the same lanes take from the same parts until a lane moves to its next
-    window. A join is kept while all its parts are held (one per set of
-    parts); one with a part that is not held (a pad, a lane's previous window at a window's
-    edge) serves one chunk. The rows are joined as read and taken once, through the parts'
-    indices (:class:`_Later`)."""
+    window. A join is kept while all its parts are held (one per set of parts); one with a part
+    that is not held (a pad, a lane's previous window at a window's edge) serves one chunk. The
+    rows are joined as read and taken once, through the parts' indices (:class:`_Later`)."""
 
     def __init__(self, rows: Rows) -> None:
         self.rows = rows
@@ -240,23 +242,19 @@ def _held(columns: Columns, own: bool = False) -> Columns:
     epoch), where it stops tracking a tuple of untracked values (bytes, text, numbers) the first
     time it meets it: with 128 lanes held, the lists cost a third more CPU."""
     return {name: _held(col, own) if isinstance(col, dict) else
-            (_own_values if own else _same)(one_array(col)) if isinstance(col, ARROW) else
+            _own_values(one_array(col), own) if isinstance(col, ARROW) else
             tuple(col) if isinstance(col, list) else col
             for name, col in columns.items()}  # fmt: skip
 
 
-def _same(column: pa.Array) -> pa.Array:
-    return column
-
-
-def _own_values(column: pa.Array) -> pa.Array:
-    """Views of bytes or text (:func:`~nnh_data.packed.is_view`) with their values copied into
-    buffers of their own (Arrow's, which its pool keeps from epoch to epoch), so that the read
-    buffers they were decoded from go back to the reader, which reuses a few: a window held per
-    lane would otherwise keep its read buffers, and each epoch's be new memory, zeroed page by
-    page (133,000 page faults an epoch for the 256 lanes of one rank of 2 workers reading
-    512 MB)."""
-    if not is_view(column.type):
+def _own_values(column: pa.Array, own: bool) -> pa.Array:
+    """``column``; with ``own``, views of bytes or text (:func:`~nnh_data.packed.is_view`)
+    with their values copied into buffers of their own (Arrow's, which its pool keeps from
+    epoch to epoch), so that the read buffers they were decoded from go back to the reader,
+    which reuses a few: a window held per lane would otherwise keep its read buffers, and each
+    epoch's be new memory, zeroed page by page (133,000 page faults an epoch for the 256 lanes
+    of one rank of 2 workers reading 512 MB)."""
+    if not own or not is_view(column.type):
         return column
     plain = pa.string() if pa.types.is_string_view(column.type) else pa.binary()
     return column.cast(plain).cast(column.type)
