@@ -42,7 +42,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -82,6 +82,7 @@ from nnh_train.compat import (
 )
 from nnh_train.ddp_init import get_dist_info, initialize_ddp
 from nnh_train.evaluation import Scorer, predictions, run_on_rank0
+from nnh_train.global_steps import GlobalSteps, global_steps
 from nnh_train.history import History, RunningEpoch
 from nnh_train.model_setup import build_model, unused_parameters_named, wrap_model
 from nnh_train.plots import plot_history
@@ -108,6 +109,7 @@ class _Run:
     max_steps: int | None
     preemption: Preemption
     progress_every: int | None
+    steps: GlobalSteps | None = None  # training on global batches
 
     def __post_init__(self) -> None:
         check_int("epochs", self.epochs, low=0)
@@ -316,6 +318,7 @@ class NNHandler(OriginalAPI):
         requeue: bool = False,
         preempt_path: str | os.PathLike | None = None,
         progress_every: int | None = None,
+        global_batch_size: int | None = None,
         **original_options: Any,
     ) -> NNHandler | None:
         """Train until ``epochs`` epochs are done in total (a resumed run continues its count).
@@ -346,6 +349,11 @@ class NNHandler(OriginalAPI):
                 plain progress line every that many batches (and at the epoch's last) instead of a
                 tqdm bar; default about ten lines an epoch
                 (:class:`~nnh_train.progress.EpochProgress`).
+            global_batch_size: one optimizer step per global batch of a training set of global
+                batches (``ShardedStreamingDataset(..., global_batch_size=)``; default: that
+                dataset's): its loader batches accumulated, the loss the mean over the global
+                batch's real samples, so one process takes the steps of many
+                (:mod:`~nnh_train.global_steps`).
             original_options: the original NNHandler's ``train`` options (``use_amp``,
                 ``seed``, ...), honoured or refused by name
                 (:func:`~nnh_train.compat.train_precision`).
@@ -360,8 +368,10 @@ class NNHandler(OriginalAPI):
         """
         if epochs is None or isinstance(epochs, bool):
             options = (validate_every, precision, gradient_accumulation_steps, max_steps, resume,
-                       compile, requeue, preempt_path, progress_every)  # fmt: skip
-            if original_options or options != (1, "fp32", 1, None, None, False, False, None, None):
+                       compile, requeue, preempt_path, progress_every,
+                       global_batch_size)  # fmt: skip
+            if original_options or options != (1, "fp32", 1, None, None, False, False, None, None,
+                                               None):  # fmt: skip
                 raise ValueError("train needs epochs (an int) to train; train() and "
                                  "train(False) without other arguments set the model's mode")
             return self.eval(epochs is False)
@@ -370,6 +380,10 @@ class NNHandler(OriginalAPI):
         run = _Run(epochs, validate_every, precision, gradient_accumulation_steps, max_steps,
                    preemption, progress_every)  # fmt: skip
         self._check_ready()
+        steps = global_steps(self.train_loader, global_batch_size, self.world_size,
+                             gradient_accumulation_steps)  # fmt: skip
+        if steps is not None:
+            run = replace(run, accumulation=steps.accumulation, steps=steps)
         self._stepper.configure(run.precision, compile)
         self._resume.apply("scaler", self._stepper.scaler)
         if resume is not None:
@@ -434,7 +448,8 @@ class NNHandler(OriginalAPI):
     def _train_step(self, group: list[Counted], run: _Run) -> int:
         """One optimizer step over ``group``; the real samples it trained on, over all ranks."""
         flag = run.preemption.flag
-        rows = StepRows(self._stepper.forward_backward(group, self._scorer(), flag)())
+        samples = None if run.steps is None else run.steps.samples(self._running.batches)
+        rows = StepRows(self._stepper.forward_backward(group, self._scorer(), flag, samples)())
         error = rows.non_finite_error(f"step {self.step} (epoch {self.epoch}, batch "
                                       f"{self._running.batches})")  # fmt: skip
         if error is not None:

@@ -193,6 +193,10 @@ def _stream_layout(dataset: Dataset, split: str, uneven: str) -> tuple[int, int]
     if dataset.batch_size is not None:
         raise ValueError("dataset must yield samples: create the ShardedStreamingDataset "
                          f"without batch_size (got batch_size={dataset.batch_size})")  # fmt: skip
+    if dataset.global_batch_size is not None:
+        raise ValueError("the rank-cached loader reorders a rank's share every epoch, so the "
+                         "global batches of a dataset with global_batch_size would not be "
+                         "kept: iterate it with streaming_loader")  # fmt: skip
     if split != "contiguous":
         raise ValueError(f"split={split!r} does not apply to a ShardedStreamingDataset, which "
                          "splits by its own order: leave split='contiguous'")  # fmt: skip

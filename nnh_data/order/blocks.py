@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from nnh_data.order.epoch import EpochOrder, Intervals, coalesce
+from nnh_data.order.lanes import LaneOrder
 
 __all__ = ["Block", "pad_plan", "read_plan"]
 
@@ -21,7 +22,7 @@ Block = tuple[int, int, int, int]  # (shard, start, stop, concat start)
 
 
 def read_plan(
-    order: EpochOrder,
+    order: EpochOrder | LaneOrder,
     positions: Intervals,
     window: int,
     split: Callable[[int, int, int], list[tuple[int, int]]],
@@ -46,7 +47,7 @@ def read_plan(
             lo += stop - start
 
 
-def pad_plan(order: EpochOrder, pads: Iterable[int]) -> Iterator[Block]:
+def pad_plan(order: EpochOrder | LaneOrder, pads: Iterable[int]) -> Iterator[Block]:
     """One one-sample block per pad: the sample at each epoch position of ``pads``."""
     for position in pads:
         concat = int(order.concat_positions(np.array([position]))[0])

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +49,7 @@ __all__ = [
     "rank_span",
     "remaining",
     "virtual_to_positions",
+    "windowed",
     "worker_plan",
     "worker_range",
 ]
@@ -85,6 +86,34 @@ def _premixed_range(size: int) -> np.ndarray:
     premixed = premixed_ids(np.arange(size, dtype=np.int64))
     premixed.flags.writeable = False
     return premixed
+
+
+def windowed(
+    positions: np.ndarray, window: int, permutation: Callable[[int], np.ndarray]
+) -> np.ndarray:
+    """Sorted ``positions`` (int64) through the permutation of the window of ``window``
+    positions each falls in (``permutation(w)`` for window ``w``); unchanged when ``window``
+    is 0 (no shuffle).
+
+    Example:
+        >>> windowed(np.array([0, 1, 2]), 2, lambda w: np.array([1, 0])).tolist()
+        [1, 0, 3]
+    """
+    positions = np.asarray(positions, dtype=np.int64)
+    if not window or positions.size == 0:
+        return positions
+    w = int(positions[0]) // window
+    if int(positions[-1]) // window == w:  # one window (the assemble stage's groups)
+        start = w * window
+        return start + permutation(w)[positions - start]
+    out = np.empty_like(positions)
+    wins = positions // window
+    cuts = np.flatnonzero(np.diff(wins)) + 1
+    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, positions.size]):
+        w = int(wins[lo])
+        start = w * window
+        out[lo:hi] = start + permutation(w)[positions[lo:hi] - start]
+    return out
 
 
 @dataclass(frozen=True)
@@ -131,21 +160,7 @@ class EpochOrder:
 
     def concat_positions(self, positions: np.ndarray) -> np.ndarray:
         """Concat positions of sorted epoch ``positions`` (int64); one window permutation each."""
-        positions = np.asarray(positions, dtype=np.int64)
-        if not self.window or positions.size == 0:
-            return positions
-        w = int(positions[0]) // self.window
-        if int(positions[-1]) // self.window == w:  # one window (the assemble stage's groups)
-            start = w * self.window
-            return start + self.window_permutation(w)[positions - start]
-        out = np.empty_like(positions)
-        wins = positions // self.window
-        cuts = np.flatnonzero(np.diff(wins)) + 1
-        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, positions.size]):
-            w = int(wins[lo])
-            start = w * self.window
-            out[lo:hi] = start + self.window_permutation(w)[positions[lo:hi] - start]
-        return out
+        return windowed(positions, self.window, self.window_permutation)
 
     def shard_of(self, concat: np.ndarray) -> np.ndarray:
         """Position in ``shard_perm`` of the shard that holds each concat position."""

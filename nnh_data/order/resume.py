@@ -20,6 +20,14 @@ time (type, range, consistency with the other fields; unknown keys refused) and
 state fails at ``load_state_dict``, never later inside a DataLoader worker or as a pass that
 silently yields nothing. A state without the shard fingerprint loads only with ``strict=False``.
 
+With global batches (:mod:`nnh_data.order.global_batches`) the state is the global step: it
+holds ``global_batch_size`` and ``partitions`` and, in place of ``base``, ``start = [step,
+items]``, where the pass began: ``step`` global steps done, then ``items`` items of each rank's
+share of the next one. A state with every count (:func:`global_start`) continues at the rank
+item ``step * share + items + sum(consumed)``: at a step boundary it resumes at any world size
+that fits; inside a step, only at its own world size and a loader batch that divides what the
+ranks took of that step.
+
 Every function here is pure: it checks, builds or combines dicts and intervals.
 """
 
@@ -32,13 +40,16 @@ from typing import Any
 
 from nnh_data.checks import check_choice, check_int
 from nnh_data.order.epoch import UNEVEN, Intervals, base_size, rank_span, remaining, worker_range
+from nnh_data.order.global_batches import GlobalBatches, RankShare, worker_length
 from nnh_data.seeding import MASK64
 
 __all__ = [
+    "GLOBAL_KEYS",
     "SETTING_KEYS",
     "STATE_VERSION",
     "check_matches",
     "check_state",
+    "global_start",
     "loader_states",
     "make_state",
     "merge_states",
@@ -51,26 +62,38 @@ __all__ = [
 
 STATE_VERSION = 1
 SETTING_KEYS = ("seed", "total", "window", "uneven", "shards", "batch_size", "unit")
+GLOBAL_KEYS = ("global_batch_size", "partitions")
 _LAYOUT_KEYS = ("version", "epoch", "base", "world_size", *SETTING_KEYS)
-_KEYS = (*_LAYOUT_KEYS, "num_workers", "consumed")
+_GLOBAL_LAYOUT_KEYS = ("version", "epoch", "start", "world_size", *SETTING_KEYS, *GLOBAL_KEYS)
 _SHARDS_HINT = (
     " (a fingerprint of the shard names and sample counts, which define the order and the "
     "ids): resume with the same shards, in the same order, with the same contents"
 )
 
 
+def _layout_keys(state: Mapping[str, Any]) -> tuple[str, ...]:
+    """The keys that describe a state's pass: of global batches, or of a plain split."""
+    return _GLOBAL_LAYOUT_KEYS if "global_batch_size" in state else _LAYOUT_KEYS
+
+
+def _keys(state: Mapping[str, Any]) -> tuple[str, ...]:
+    return (*_layout_keys(state), "num_workers", "consumed")
+
+
 def make_state(
     settings: Mapping[str, Any],
     *,
     epoch: int,
-    base: Sequence[tuple[int, int]],
+    base: Sequence[tuple[int, int]] | None = None,
+    start: tuple[int, int] | None = None,
     world_size: int,
     num_workers: int,
     worker: int,
     handed_out: int,
 ) -> dict[str, Any]:
     """The JSON-safe state of worker ``worker`` after handing out ``handed_out`` items of a pass
-    over ``base``; ``settings`` holds the dataset's :data:`SETTING_KEYS`.
+    over ``base`` (or, with global batches, from ``start`` = (step, items)); ``settings``
+    holds the dataset's :data:`SETTING_KEYS` (and :data:`GLOBAL_KEYS` with global batches).
 
     Example:
         >>> s = dict(seed=0, total=8, window=4, uneven="pad", shards="x", batch_size=None, unit=1)
@@ -80,9 +103,13 @@ def make_state(
     """
     consumed: list[int | None] = [None] * num_workers
     consumed[worker] = handed_out
-    state = {"version": STATE_VERSION, "epoch": epoch}
-    state.update((key, settings[key]) for key in SETTING_KEYS)
-    state.update(base=[list(i) for i in base], world_size=world_size, num_workers=num_workers)
+    state: dict[str, Any] = {"version": STATE_VERSION, "epoch": epoch}
+    state.update((key, settings[key]) for key in (*SETTING_KEYS, *GLOBAL_KEYS) if key in settings)
+    if start is not None:
+        state["start"] = list(start)
+    else:
+        state["base"] = [list(i) for i in base or ()]
+    state.update(world_size=world_size, num_workers=num_workers)
     return {**state, "consumed": consumed}
 
 
@@ -95,22 +122,26 @@ def check_state(state: Mapping[str, Any], *, strict: bool = True) -> dict[str, A
     if not isinstance(state, Mapping):
         raise ValueError(f"state must be a dict from state_dict(), got {type(state).__name__}")
     state = copy.deepcopy(dict(state))
-    unknown = [k for k in state if k not in _KEYS]
+    keys = _keys(state)
+    unknown = [k for k in state if k not in keys]
     if unknown:
-        raise ValueError(f"state has unknown keys {unknown}; a state_dict() holds {list(_KEYS)}")
+        raise ValueError(f"state has unknown keys {unknown}; a state_dict() holds {list(keys)}")
     if not strict:
         state.setdefault("batch_size", None)  # states of older per-sample passes leave it out
         state.setdefault("unit", state["batch_size"] or 1)
         state.setdefault("shards", None)  # older states: no fingerprint to check
-    missing = [k for k in _KEYS if k not in state]
+    missing = [k for k in keys if k not in state]
     if missing:
         hint = " (the states of older versions load with strict=False)" if strict else ""
         raise ValueError(f"state is missing keys {missing}; pass a whole state_dict(){hint}")
     if state["version"] != STATE_VERSION:
         raise ValueError(f"state['version'] must be {STATE_VERSION}, got {state['version']!r}")
     _check_fields(state, strict)
-    _check_base(state["base"], state["total"])
-    _check_consumed(state)
+    if "global_batch_size" in state:
+        _check_global(state)
+    else:
+        _check_base(state["base"], state["total"])
+        _check_consumed(state)
     return state
 
 
@@ -151,9 +182,8 @@ def _check_base(base: Any, total: int) -> None:
         previous = check_int(f"state['base'][{i}][1]", hi, low=lo + 1, high=total)
 
 
-def _check_consumed(state: dict[str, Any]) -> None:
-    """``consumed``: one count per worker (``None`` for unknown ones, not all), each at most
-    that worker's share of the pass."""
+def _check_counts(state: dict[str, Any]) -> None:
+    """``consumed``: one count per worker (``None`` for unknown ones, not all)."""
     num_workers, consumed = state["num_workers"], state["consumed"]
     if (
         not isinstance(consumed, list)
@@ -164,11 +194,40 @@ def _check_consumed(state: dict[str, Any]) -> None:
             f"state['consumed'] must be a list of {num_workers} counts (None for unknown ones, "
             f"not all), got {consumed!r}"
         )
+
+
+def _check_consumed(state: dict[str, Any]) -> None:
+    """``consumed``: each count at most that worker's share of the pass."""
+    _check_counts(state)
     length = rank_span(base_size(state["base"]), state["world_size"], 0, state["uneven"]).length
-    for k, count in enumerate(consumed):
+    for k, count in enumerate(state["consumed"]):
         if count is not None:
-            a, b = worker_range(length, num_workers, k, state["unit"])
+            a, b = worker_range(length, state["num_workers"], k, state["unit"])
             check_int(f"state['consumed'][{k}]", count, low=0, high=b - a)
+
+
+def _check_global(state: dict[str, Any]) -> None:
+    """A state of global batches: its layout fits, ``start`` lies in the epoch and each count
+    is at most what that worker yields from there."""
+    for key in GLOBAL_KEYS:
+        check_int(f"state[{key!r}]", state[key], low=1)
+    try:
+        batches = GlobalBatches(state["total"], state["global_batch_size"], state["partitions"],
+                                state["uneven"])  # fmt: skip
+        share = RankShare(batches, state["world_size"], 0, state["unit"])
+    except ValueError as exc:
+        raise ValueError(f"state's layout does not fit its global batches: {exc}") from None
+    start = state["start"]
+    if not (isinstance(start, list) and len(start) == 2):
+        raise ValueError(f"state['start'] must be a [step, items] pair, got {start!r}")
+    step = check_int("state['start'][0]", start[0], low=0, high=share.batches.steps)
+    last = share.share - 1 if step < share.batches.steps else 0
+    items = check_int("state['start'][1]", start[1], low=0, high=last)
+    _check_counts(state)
+    for k, count in enumerate(state["consumed"]):
+        if count is not None:
+            most = worker_length(share, step * share.share + items, state["num_workers"], k)
+            check_int(f"state['consumed'][{k}]", count, low=0, high=most)
 
 
 def check_matches(
@@ -183,7 +242,15 @@ def check_matches(
     DataLoader worker, ``world_size`` (it resumes only its own layout). A state without a shard
     fingerprint (an older version) is refused unless ``strict=False`` (then it is accepted
     with a warning)."""
-    for key in ("seed", "total", "window", "uneven", "shards"):
+    for key in ("seed", "total", "window", "uneven", "shards", *GLOBAL_KEYS):
+        if state.get(key) != settings.get(key) and key in GLOBAL_KEYS:
+            raise ValueError(
+                f"state[{key!r}] is {state.get(key)!r} but this dataset has "
+                f"{settings.get(key)!r}: a pass of global batches resumes with the same "
+                "global_batch_size and partitions, and a plain pass without them"
+            )
+        if key in GLOBAL_KEYS:
+            continue
         if key == "shards" and state[key] is None:
             if strict:
                 raise ValueError(
@@ -224,7 +291,7 @@ def merge_states(states: Iterable[Mapping[str, Any]], *, strict: bool = True) ->
         raise ValueError("states must hold at least one state, got none")
     merged = checked[0]
     for other in checked[1:]:
-        for key in (*_LAYOUT_KEYS, "num_workers"):
+        for key in (*_layout_keys(merged), "num_workers"):
             if other[key] != merged[key]:
                 raise ValueError(f"states differ in {key!r}: {merged[key]!r} vs {other[key]!r}")
         for k, count in enumerate(other["consumed"]):
@@ -323,6 +390,52 @@ def pass_start(
             "or state_from_loader() to change the layout"
         )
     return [tuple(i) for i in state["base"]], state["consumed"][worker]
+
+
+def global_start(
+    state: Mapping[str, Any] | None,
+    *,
+    world_size: int,
+    num_workers: int,
+    worker: int,
+    unit: int | None,
+) -> tuple[int, int]:
+    """``(start, skip)`` of a pass of global batches after ``state``: the rank item of a
+    ``world_size`` layout (loader batches of ``unit``; None: not known yet, not checked) where
+    the pass starts, and the items worker ``worker`` of ``num_workers`` handed out of it
+    already (a one-worker state resumes only its own worker of its own layout).
+
+    Example:
+        >>> state = {"global_batch_size": 8, "world_size": 2, "start": [1, 0],
+        ...          "consumed": [2, 2], "unit": 2}
+        >>> global_start(state, world_size=4, num_workers=1, worker=0, unit=1)
+        (4, 0)
+    """
+    if state is None:
+        return 0, 0
+    size, world = state["global_batch_size"], state["world_size"]
+    share = size // world
+    first = state["start"][0] * share + state["start"][1]
+    if None in state["consumed"]:
+        layout = (world, state["num_workers"], state["unit"])
+        if layout != (world_size, num_workers, unit) or state["consumed"][worker] is None:
+            raise ValueError(
+                "this state holds the progress of one DataLoader worker of world_size="
+                f"{layout[0]}, num_workers={layout[1]}, batch_size={layout[2]}; it cannot "
+                f"resume worker {worker} of world_size={world_size}, num_workers={num_workers}, "
+                f"batch_size={unit}: merge the workers' states with merge_states() or "
+                "state_from_loader() to change the layout"
+            )
+        return first, state["consumed"][worker]
+    step, items = divmod(first + sum(state["consumed"]), share)
+    if items and (world_size != world or unit is not None and items % unit):
+        raise ValueError(
+            f"this state stopped inside global step {step}, after {items} of the {share} items "
+            f"each of its {world} ranks takes of it: it resumes only at world_size={world} with "
+            f"a batch size that divides {items} (got world_size={world_size}, batch_size="
+            f"{unit}); a state taken at a step boundary resumes at any world size that fits"
+        )
+    return step * (size // world_size) + items, 0
 
 
 def workers_iterated_error() -> RuntimeError:

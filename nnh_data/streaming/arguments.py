@@ -19,7 +19,9 @@ from typing import Any
 
 from nnh_data.augment.params import AugmentationConfig, param_names
 from nnh_data.cache.store import ShardCache
+from nnh_data.checks import check_int
 from nnh_data.images.decoders import DECODER_NAMES, SampleDecoder
+from nnh_data.order.global_batches import PARTITIONS
 from nnh_data.order.mixing import Source, plan_counts
 from nnh_data.precompute.read import PrecomputedParams, load_precomputed_params
 from nnh_data.shards.columnar import preload_conversions
@@ -33,6 +35,7 @@ __all__ = [
     "cache_of",
     "checked_config",
     "checked_decode",
+    "checked_global",
     "default_readahead",
     "open_sources",
     "precomputed_of",
@@ -89,6 +92,47 @@ def default_readahead(index: ShardIndex) -> int:
     """Read blocks fetched ahead when the user sets none: 0 for local shards (a thread only
     adds hand-off cost), :data:`REMOTE_READAHEAD` for remote ones (judged by the first)."""
     return 0 if not index.shards or is_local(index.shards[0].url) else REMOTE_READAHEAD
+
+
+def checked_global(
+    global_batch_size: int | None,
+    partitions: int | None,
+    data: Data,
+    *,
+    rank_aware_params: bool,
+    on_error: str,
+    batch_size: int | None,
+) -> tuple[int, int] | None:
+    """``(global_batch_size, partitions)`` of a dataset of global batches (partitions default
+    to :data:`~nnh_data.order.global_batches.PARTITIONS`), or None without; what the mode
+    cannot keep is refused, saying why (the world size is checked with the split)."""
+    if global_batch_size is None:
+        if partitions is not None:
+            raise ValueError(f"partitions={partitions!r} applies to global batches: pass "
+                             "global_batch_size too, or leave partitions unset")  # fmt: skip
+        return None
+    size = check_int("global_batch_size", global_batch_size, low=1)
+    partitions = check_int("partitions", PARTITIONS if partitions is None else partitions, low=1)
+    if data.mixed:
+        raise ValueError(
+            "global_batch_size needs one source read once per epoch: a mix (several sources, "
+            "Source objects or an epoch_size) interleaves each source's own order, whose "
+            "shuffle windows the lanes of global batches cannot own; leave global_batch_size "
+            "unset to mix"
+        )
+    if rank_aware_params:
+        raise ValueError(
+            "rank_aware_params=True keys the parameters by rank and world size, so a global "
+            "batch would carry other parameters at another world size; leave it False with "
+            "global_batch_size"
+        )
+    if on_error == "skip" and batch_size is None:
+        raise ValueError(
+            "on_error='skip' leaves unreadable samples out of a per-sample pass, which would "
+            "shift every later loader batch of the worker; with global_batch_size use "
+            "on_error='raise', or batch_size= (a batch then holds fewer rows)"
+        )
+    return size, partitions
 
 
 def cache_of(cache_dir: str | os.PathLike | None, limit: int | str | None) -> ShardCache | None:

@@ -26,6 +26,7 @@ from torch.utils.data import IterableDataset
 from nnh_data.augment.params import AugmentationConfig
 from nnh_data.checks import check_choice, check_int
 from nnh_data.order.epoch import UNEVEN
+from nnh_data.order.global_batches import GlobalBatches
 from nnh_data.order.mixing import Source
 from nnh_data.order.resume import (
     merge_states,
@@ -39,11 +40,12 @@ from nnh_data.streaming.arguments import (
     cache_of,
     checked_config,
     checked_decode,
+    checked_global,
     default_readahead,
     open_sources,
     precomputed_of,
 )
-from nnh_data.streaming.epoch_state import EpochState, Layout
+from nnh_data.streaming.epoch_state import GlobalEpochState, Layout, epoch_state
 from nnh_data.streaming.error_policy import ON_ERROR, ErrorPolicy
 from nnh_data.streaming.pipeline import Parameters, Pipeline
 from nnh_data.streaming.stats import DataStats
@@ -62,7 +64,7 @@ class ShardedStreamingDataset(IterableDataset):
 
     - what to read: ``source``, ``format``, ``storage_options``, ``index_path``, ``epoch_size``;
     - the order and split: ``shuffle``, ``seed``, ``epoch``, ``shuffle_window``, ``rank``,
-      ``world_size``, ``uneven``;
+      ``world_size``, ``uneven``, ``global_batch_size`` and ``partitions``;
     - what each sample carries: ``aug_config``, ``rank_aware_params``, ``precomputed``,
       ``decode``, ``batch_size``;
     - how it is read: ``readahead``, ``cache_dir``, ``cache_limit``, ``cache_prefetch``,
@@ -115,6 +117,11 @@ class ShardedStreamingDataset(IterableDataset):
             future order; :mod:`nnh_data.cache`).
         cache_limit: the cache's size bound (bytes, or text such as ``"50GB"``).
         cache_prefetch: whole shards each worker fetches ahead into the cache.
+        global_batch_size: global batches of this many samples, the same ids and parameters
+            at every world size that divides it and divides ``partitions`` or is a multiple of
+            it (others are refused), each rank's share in loader batches that divide it, at any
+            worker count; the state is the global step (``docs/global_batches.md``).
+        partitions: the partitions of global batches, fixed for the run (default 64).
 
     Example:
         >>> ds = ShardedStreamingDataset("data/train-{000000..000009}.tar")  # doctest: +SKIP
@@ -149,6 +156,8 @@ class ShardedStreamingDataset(IterableDataset):
         cache_dir: str | os.PathLike | None = None,
         cache_limit: int | str | None = None,
         cache_prefetch: int = 1,
+        global_batch_size: int | None = None,
+        partitions: int | None = None,
     ) -> None:
         self.on_error = check_choice("on_error", on_error, ON_ERROR)
         data = open_sources(source, epoch_size, rank, world_size, {
@@ -169,6 +178,9 @@ class ShardedStreamingDataset(IterableDataset):
         self.storage_options = storage_options
         self.cache = cache_of(cache_dir, cache_limit)
         self.cache_prefetch = check_int("cache_prefetch", cache_prefetch, low=0)
+        steps = checked_global(global_batch_size, partitions, data, on_error=self.on_error,
+            rank_aware_params=self.rank_aware_params, batch_size=self.batch_size)  # fmt: skip
+        self.global_batch_size, self.partitions = steps or (None, None)
         # Shared with DataLoader workers (fork and spawn pass shared-memory tensors by handle),
         # in one segment (each costs a shared-memory file): the epoch state's four numbers,
         # then the samples skipped per shard.
@@ -181,9 +193,9 @@ class ShardedStreamingDataset(IterableDataset):
             data, window=self.window, storage_options=storage_options, readahead=self.readahead,
             cache=self.cache, cache_prefetch=self.cache_prefetch, seed=self.seed, params=params,
             errors=errors, decode=self.decode, batch_size=self.batch_size)  # fmt: skip
-        self._state = EpochState(Layout(
+        self._state = epoch_state(Layout(
             sum(data.counts), self.world_size, self.rank, self.uneven, self.seed, self.window,
-            data.fingerprint(), self.batch_size), epoch, shared[:4])  # fmt: skip
+            data.fingerprint(), self.batch_size), epoch, shared[:4], steps)  # fmt: skip
         self.data_stats = DataStats()  # what every process reading this dataset counts
         self._skipped_before = sum(self.error_counts.values())
         self._check_precomputed()
@@ -193,6 +205,11 @@ class ShardedStreamingDataset(IterableDataset):
     def total_samples(self) -> int:
         """Samples in one epoch over all ranks (pads not counted)."""
         return self._state.layout.total
+
+    @property
+    def global_batches(self) -> GlobalBatches | None:
+        """The arithmetic of its global batches (steps, their samples), None without."""
+        return self._state.batches if isinstance(self._state, GlobalEpochState) else None
 
     @property
     def epoch(self) -> int:
@@ -231,13 +248,14 @@ class ShardedStreamingDataset(IterableDataset):
     def set_loader_batch_size(self, batch_size: int) -> None:
         """Cut worker ranges in whole batches of the loader's ``batch_size`` (per-sample mode),
         so a DataLoader with workers yields exactly ``ceil(len(ds) / batch_size)`` batches
-        with at most one short batch per rank. :func:`streaming_loader` calls it."""
+        with at most one short batch per rank (global batches: a divisor of a rank's share).
+        :func:`streaming_loader` calls it."""
         if self.batch_size is not None:
             raise ValueError(
                 "set_loader_batch_size is for per-sample mode; this dataset yields batches of "
                 f"batch_size={self.batch_size} already"
             )
-        self._state.loader_batch = check_int("batch_size", batch_size, low=1)
+        self._state.set_loader_batch(check_int("batch_size", batch_size, low=1))
 
     def __len__(self) -> int:
         """Samples (batches, with ``batch_size``) this rank yields in the next pass, over all

@@ -20,19 +20,22 @@ from typing import Any
 import torch
 
 from nnh_data.order.epoch import WorkerPlan, base_size, rank_span, worker_plan
+from nnh_data.order.global_batches import GlobalBatches, RankShare
 from nnh_data.order.resume import (
     check_matches,
     check_state,
+    global_start,
     make_state,
     pass_base,
     pass_start,
     workers_iterated_error,
 )
+from nnh_data.streaming.global_reader import GlobalPlan
 from nnh_data.streaming.pipeline import Pass
 from nnh_data.streaming.stats import Meter
 from nnh_data.topology import in_worker_process
 
-__all__ = ["EpochState", "Layout"]
+__all__ = ["EpochState", "GlobalEpochState", "Layout", "epoch_state"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,10 @@ class EpochState:
         length = rank_span(base_size(base), lay.world_size, lay.rank, lay.uneven).length
         return length if lay.batch_size is None else -(-length // lay.batch_size)
 
+    def set_loader_batch(self, batch_size: int) -> None:
+        """Cut worker ranges in whole loader batches of ``batch_size`` items."""
+        self.loader_batch = batch_size
+
     def state_dict(self) -> dict[str, Any]:
         """The JSON-safe progress of this epoch; refused in the main process after workers
         iterated (their progress is not visible here)."""
@@ -105,9 +112,13 @@ class EpochState:
         run = self.current
         if run is None or run.epoch != self.epoch:
             run = Pass(self.epoch, [(0, self.layout.total)], self.layout.world_size, 1, 0)
-        return make_state(self.settings, epoch=run.epoch, base=run.base,
+        return make_state(self.settings, epoch=run.epoch, **self._position(run),
                           world_size=run.world_size, num_workers=run.num_workers,
                           worker=run.worker, handed_out=run.progress.handed_out())  # fmt: skip
+
+    def _position(self, run: Pass) -> dict[str, Any]:
+        """Where ``run`` started, as a state records it."""
+        return {"base": run.base}
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool) -> None:
         """Check ``state`` against this dataset; the next pass resumes from it."""
@@ -173,3 +184,99 @@ class EpochState:
             "epoch (a set meant to repeat, for evaluation: ShardedStreamingDataset(..., "
             "shuffle=False))", RuntimeWarning, stacklevel=5,
         )  # fmt: skip
+
+
+class GlobalEpochState(EpochState):
+    """An :class:`EpochState` of global batches (:mod:`nnh_data.order.global_batches`): a pass
+    starts at a global step (and item), not at a base of positions; a state records that
+    step; a loader batch divides a rank's share of a step (by default it is that share)."""
+
+    def __init__(
+        self, layout: Layout, epoch: int, shared: torch.Tensor, global_batch_size: int,
+        partitions: int,
+    ) -> None:  # fmt: skip
+        super().__init__(layout, epoch, shared)
+        self.batches = GlobalBatches(layout.total, global_batch_size, partitions, layout.uneven)
+        self.loader_batch = global_batch_size // layout.world_size
+        self.current_plan: GlobalPlan | None = None
+        _ = self.share  # the world size and a dataset's batch_size checked now
+
+    @property
+    def share(self) -> RankShare:
+        """This rank's share of every global batch, in loader batches."""
+        lay = self.layout
+        return RankShare(self.batches, lay.world_size, lay.rank, self.unit)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings, "global_batch_size": self.batches.global_batch_size,
+                "partitions": self.batches.partitions}  # fmt: skip
+
+    def set_loader_batch(self, batch_size: int) -> None:
+        """Loader batches of ``batch_size`` items: it must divide a rank's share of a step
+        (and what a pending state took of its step)."""
+        before, self.loader_batch = self.loader_batch, batch_size
+        try:
+            _ = self.share
+            self._pass_start()
+        except ValueError:
+            self.loader_batch = before
+            raise
+
+    def length(self) -> int:
+        share, lay = self.share, self.layout
+        length = share.length - self._pass_start()
+        return length if lay.batch_size is None else -(-length // lay.batch_size)
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool) -> None:
+        """Check ``state`` against this dataset, and that it resumes at this world size (a
+        state stopped inside a global step resumes only at its own); the next pass resumes
+        from it."""
+        super().load_state_dict(state, strict)
+        try:
+            self._pass_start(loader_batch=False)
+        except ValueError:
+            self.pending = None
+            raise
+
+    def start(self, worker: int, num_workers: int, meter: Meter) -> tuple[Pass, GlobalPlan]:
+        run, plan = super().start(worker, num_workers, meter)
+        self.current_plan = plan
+        return run, plan
+
+    def upcoming(self, worker: int, num_workers: int) -> GlobalPlan:
+        return GlobalPlan(self.share, 0, num_workers, worker)
+
+    def _plan(
+        self, state: Mapping[str, Any] | None, num_workers: int, worker: int
+    ) -> tuple[list, GlobalPlan, int]:
+        start, skip = global_start(state, world_size=self.layout.world_size,
+                                   num_workers=num_workers, worker=worker,
+                                   unit=self.unit)  # fmt: skip
+        return [], GlobalPlan(self.share, start, num_workers, worker, skip), skip
+
+    def _position(self, run: Pass) -> dict[str, Any]:
+        plan = self.current_plan if run is self.current else None
+        return {"start": divmod(0 if plan is None else plan.start, self.share.share)}
+
+    def _pass_start(self, loader_batch: bool = True) -> int:
+        """The rank item the next pass starts at (for a one-worker state: where the pass it
+        belongs to started); a ``ValueError`` when the pending state does not resume at this
+        world size (and, with ``loader_batch``, this loader batch)."""
+        state = self.pending
+        if state is None:
+            return 0
+        if None in state["consumed"]:
+            return state["start"][0] * self.share.share + state["start"][1]
+        return global_start(state, world_size=self.layout.world_size, num_workers=1, worker=0,
+                            unit=self.unit if loader_batch else None)[0]  # fmt: skip
+
+
+def epoch_state(
+    layout: Layout, epoch: int, shared: torch.Tensor, steps: tuple[int, int] | None
+) -> EpochState:
+    """The epoch state of a dataset: of global batches of ``steps`` = (global batch size,
+    partitions), or of the plain split (None)."""
+    if steps is None:
+        return EpochState(layout, epoch, shared)
+    return GlobalEpochState(layout, epoch, shared, *steps)

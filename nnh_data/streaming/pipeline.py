@@ -30,6 +30,7 @@ from nnh_data.precompute.read import PrecomputedParams
 from nnh_data.streaming import stages
 from nnh_data.streaming.arguments import Data
 from nnh_data.streaming.error_policy import ErrorPolicy
+from nnh_data.streaming.global_reader import GlobalPlan, global_labels, global_parts
 from nnh_data.streaming.source_reader import SourceReader
 from nnh_data.streaming.stages import LEFT_OUT, Progress
 from nnh_data.streaming.stats import PARAMS_NS, Meter
@@ -128,17 +129,22 @@ class Pipeline:
         return pipeline
 
     def items(
-        self, run: Pass, plan: WorkerPlan, upcoming: WorkerPlan | None, rows: bool
+        self, run: Pass, plan: WorkerPlan | GlobalPlan, upcoming: Any, rows: bool
     ) -> Iterator[Any]:
         """The items of ``plan``: samples (or batches, with ``batch_size``); with ``rows``, the
         samples as rows of columns (:func:`stages.hand_out_rows`). ``upcoming``: the worker's
-        plan of the next epoch, for the cache."""
+        plan of the next epoch, for the cache. A plan of global batches reads its lanes
+        (:mod:`nnh_data.streaming.global_reader`), one part per loader batch."""
         # batches and rows taken as columns; samples built from columns at hand-out
         kind = stages.COLUMNS if self.batch_size is not None or rows else stages.VALUE_COLUMNS
-        mixed = MixedOrder(self.counts, self.seed, run.epoch)
-        parts = _worker_parts(self.readers, mixed, plan, upcoming, kind, run.num_workers,
-                              run.meter)  # fmt: skip
-        parts = stages.with_parameters(parts, functools.partial(self._columns, run))
+        params = functools.partial(self._columns, run)
+        if isinstance(plan, GlobalPlan):
+            parts = global_parts(self.readers[0], run.epoch, plan, upcoming, kind, params,
+                                 run.meter)  # fmt: skip
+        else:
+            mixed = MixedOrder(self.counts, self.seed, run.epoch)
+            parts = stages.with_parameters(_worker_parts(
+                self.readers, mixed, plan, upcoming, kind, run.num_workers, run.meter), params)
         if rows:
             return stages.hand_out_rows(parts, run.progress, self.skipped)
         finish = functools.partial(self._finish, run)
@@ -147,9 +153,12 @@ class Pipeline:
             return stages.hand_out_samples(parts, run.progress, finish, self.skipped)
         return stages.hand_out_batches(parts, self.batch_size, run.progress, finish)
 
-    def labels(self, epoch: int, plan: WorkerPlan) -> Iterator[dict[str, np.ndarray]]:
+    def labels(self, epoch: int, plan: WorkerPlan | GlobalPlan) -> Iterator[dict[str, np.ndarray]]:
         """The labels of ``plan``'s rows (``__index__``, ``__pad__``, ``__source__``,
         ``__repeat__``), by source, in chunks, computed without reading a shard."""
+        if isinstance(plan, GlobalPlan):
+            yield from global_labels(self.readers[0].draws.order(epoch), plan)
+            return
         mixed = MixedOrder(self.counts, self.seed, epoch)
         draws = [(plan.positions, list(plan.pads))] if len(self.readers) == 1 else \
             _source_draws(mixed, plan)  # fmt: skip

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from itertools import chain, groupby
 from typing import Any
 
@@ -24,7 +25,8 @@ from nnh_data.cache.cached_pass import CachedPass
 from nnh_data.cache.store import ShardCache
 from nnh_data.errors import ShardError
 from nnh_data.order.blocks import Block, pad_plan, read_plan
-from nnh_data.order.epoch import Intervals, coalesce
+from nnh_data.order.epoch import EpochOrder, Intervals, coalesce
+from nnh_data.order.lanes import LaneOrder
 from nnh_data.order.mixing import SourceDraws
 from nnh_data.shards.index import ShardIndex, ShardInfo
 from nnh_data.shards.reading import (
@@ -39,13 +41,25 @@ from nnh_data.streaming.error_policy import ErrorPolicy
 from nnh_data.streaming.readahead import read_ahead
 from nnh_data.streaming.stats import DECODE_NS, RETRIES, Meter
 
-__all__ = ["SourceReader"]
+__all__ = ["Piece", "SourceReader"]
 
 _READ_BYTES = 8 << 20
 # local tar shards are read in smaller pieces: a read costs no request there, and each worker
 # holds a piece twice while it is parsed (its bytes and their values): 2 MiB instead of 8 MiB
 # took 30-70 MiB off the peak PSS of 2 workers reading 3 KiB samples, at the same CPU per sample
 _LOCAL_TAR_READ_BYTES = 2 << 20
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Positions of one order read together: sorted ``positions`` (the blocks of the windows
+    they touch, in order), or one position repeated as a pad (``pad``); ``cycle``: the
+    source's cycle the order belongs to."""
+
+    order: EpochOrder | LaneOrder
+    positions: Intervals
+    pad: bool = False
+    cycle: int = 0
 
 
 class SourceReader:
@@ -97,9 +111,25 @@ class SourceReader:
         ``following`` holds the draws and pads this worker reads next epoch (planned in the
         cache), ``num_workers`` the DataLoader workers taking turns with it. ``meter`` counts
         the reads and their decoding (:mod:`nnh_data.streaming.stats`)."""
+        pieces = self._pieces(epoch, draws, pads)
+        upcoming = self._pieces(epoch + 1, *following) if following else []
+        for piece, part in self.read(pieces, upcoming, rows, num_workers=num_workers, meter=meter):
+            yield self._labelled(part, epoch, piece.cycle)
+
+    def read(
+        self,
+        pieces: Sequence[Piece],
+        upcoming: Sequence[Piece],
+        rows: stages.Rows,
+        *,
+        num_workers: int = 1,
+        meter: Meter | None = None,
+    ) -> Iterator[tuple[Piece, stages.Part]]:
+        """The parts of ``pieces``, read in that order, each with its piece (one part per
+        window a piece's positions touch), unlabelled; ``upcoming``: what this worker reads
+        next epoch, for the cache (see :meth:`parts`)."""
         meter = Meter.alone() if meter is None else meter
-        runs, singles = self._runs(epoch, draws, pads)
-        blocks = self._blocks(runs, singles)
+        blocks = self._blocks(pieces)
         reader = ShardReader(self.storage_options, self.nullable, arrow=rows.arrow)
         # blocks come in the reader's reused buffers (each decoded before the next is asked
         # for); a salvage reads its pieces anew with ``fetch``, in this thread: with a
@@ -108,9 +138,9 @@ class SourceReader:
         fetch = reader.fetch if not self.readahead else ShardReader(
             self.storage_options, self.nullable, arrow=rows.arrow).fetch  # fmt: skip
         if self.cache is not None and not is_local(self.index.shards[0].url):
-            upcoming = self._blocks(*self._runs(epoch + 1, *following)) if following else ()
-            cached = CachedPass(self.cache, reader, self.index.shards, list(blocks), upcoming,
-                                prefetch=self.cache_prefetch, num_workers=num_workers)  # fmt: skip
+            cached = CachedPass(self.cache, reader, self.index.shards, list(blocks),
+                                self._blocks(upcoming), prefetch=self.cache_prefetch,
+                                num_workers=num_workers)  # fmt: skip
             blocks, fetch = cached.blocks(), cached.fetch
             read_block = fetch
         remote = not is_local(self.index.shards[0].url)
@@ -118,13 +148,10 @@ class SourceReader:
         fetched = read_ahead(read, blocks, self.readahead)
         decoded = self._decoded(fetched, rows, fetch, cached, meter)
         window = self.draws.window
-        for cycle, positions in runs:
-            order = self.draws.order(cycle)
-            for part in stages.assemble(decoded, order, positions, window, 0, rows):
-                yield self._labelled(part, epoch, cycle)
-        for cycle, _ in singles:
-            (part,) = stages.assemble(decoded, self.draws.order(cycle), [], window, 1, rows)
-            yield self._labelled(part, epoch, cycle)
+        for piece in pieces:
+            positions, pads = ([], 1) if piece.pad else (piece.positions, 0)
+            for part in stages.assemble(decoded, piece.order, positions, window, pads, rows):
+                yield piece, part
 
     def _decoded(
         self,
@@ -151,18 +178,21 @@ class SourceReader:
         singles = [self.draws.segments(epoch, j, j + 1)[0][:2] for j in pads]
         return runs, singles
 
-    def _blocks(
-        self, runs: list[tuple[int, Intervals]], singles: list[tuple[int, int]]
-    ) -> Iterator[Block]:
-        """The read blocks of ``runs`` then of the pads ``singles``, in read order."""
+    def _pieces(self, epoch: int, draws: Intervals, pads: Sequence[int]) -> list[Piece]:
+        """The pieces of ``draws`` (one per cycle) then of the pads ``pads``, in read order."""
+        runs, singles = self._runs(epoch, draws, pads)
+        order = self.draws.order
+        return [Piece(order(c), positions, cycle=c) for c, positions in runs] + [
+            Piece(order(c), [(a, a + 1)], pad=True, cycle=c) for c, a in singles]  # fmt: skip
+
+    def _blocks(self, pieces: Sequence[Piece]) -> Iterator[Block]:
+        """The read blocks of ``pieces``, in read order."""
         window = self.draws.window
-        return chain(
-            chain.from_iterable(
-                read_plan(self.draws.order(c), positions, window, self._split)
-                for c, positions in runs
-            ),
-            chain.from_iterable(pad_plan(self.draws.order(c), [a]) for c, a in singles),
-        )
+        return chain.from_iterable(
+            pad_plan(p.order, [p.positions[0][0]]) if p.pad
+            else read_plan(p.order, p.positions, window, self._split)
+            for p in pieces
+        )  # fmt: skip
 
     def field_names(self) -> list[str]:
         """The sorted field names of the source's first sample (one sample is read)."""
