@@ -31,12 +31,13 @@ import numpy as np
 from nnh_data.cache.download import STALL_SECONDS, download
 from nnh_data.cache.files import (
     Counters,
+    lay_out,
     locked_file,
     new_plan_path,
     node_lock,
     plan_header,
-    prepare_folder,
     shard_path,
+    unlink,
     wait_unlocked,
 )
 from nnh_data.cache.policy import shard_key
@@ -112,19 +113,31 @@ class CacheSession:
         except OSError as exc:  # the folder cannot take it: reads go on, the plan unpublished
             _warn_local(self.cache, exc)
             fd = temporary = None
-        with node_lock(self.cache.cache_dir), self._changed:  # no scan sees the old plan unlocked
+        try:
+            with node_lock(self.cache.cache_dir), self._changed:  # no scan sees the old plan
+                if temporary is not None:  # unlocked
+                    os.rename(temporary, self._plan_path)
+                self._use_plan(fd, state)
+        except OSError as exc:  # the folder failed (another user's now): the plan unpublished
+            _warn_local(self.cache, exc)
             if temporary is not None:
-                os.rename(temporary, self._plan_path)
-            if self._plan_fd is not None:
-                os.close(self._plan_fd)
-            self._plan_fd, self._state = fd, state
-            self._version += 1
-            self._changed.notify_all()
+                os.close(fd)
+                unlink(temporary)
+            with self._changed:
+                self._use_plan(None, state)
         if self.prefetch and self._thread is None:
             self._thread = threading.Thread(
                 target=self._prefetch_loop, daemon=True, name="nnh-cache-prefetch"
             )
             self._thread.start()
+
+    def _use_plan(self, fd: int | None, state: _PlanState) -> None:
+        """Make ``state`` this reader's plan, published in ``fd`` (None: unpublished)."""
+        if self._plan_fd is not None:
+            os.close(self._plan_fd)
+        self._plan_fd, self._state = fd, state
+        self._version += 1
+        self._changed.notify_all()
 
     def advance(self, t: int) -> None:
         """This reader now stands at item index ``t`` of its plan (cheap: one write of a few
@@ -178,7 +191,10 @@ class CacheSession:
         f, _ = self._pins.pop(key, (None, 0))
         if f is not None:
             f.close()
-        self.cache.remove_unusable(key, shard_path(self.cache.cache_dir, key, info.url))
+        try:
+            self.cache.remove_unusable(key, shard_path(self.cache.cache_dir, key, info.url))
+        except OSError as exc:  # the folder failed: the next open reads around it
+            _warn_local(self.cache, exc)
 
     def warm(self, shards: Sequence[ShardInfo]) -> int:
         """Publish ``shards`` as the plan, in order, and download them (most needed first) until
@@ -280,7 +296,7 @@ class CacheSession:
         try:
             return locked_file(temporary, data), temporary
         except FileNotFoundError:
-            prepare_folder(self.cache.cache_dir)
+            lay_out(self.cache.cache_dir)
             return locked_file(temporary, data), temporary
 
     def _write_header(self) -> None:
