@@ -5,7 +5,7 @@ Every process of a node (ranks, DataLoader workers, other jobs) shares one folde
     lock                                   node lock (flock), held for bookkeeping only
     shards/<kk>/<key>-<name>, <key>.json   complete shards (appear by rename) and their record
     tmp/<key>.<size>.<pid>.<rand>.part     downloads in flight
-    procs/<pid>.<rand>.plan                each live reader's plan and position
+    procs/<pid>.<rand>.plan                each reader's plan and position (while it lives)
     stats/<pid>.json                       each process's counters, summed by stats()
 
 Every lock is an ``fcntl.flock`` on an open file, so the kernel drops it when its process dies:
@@ -76,7 +76,7 @@ __all__ = [
 
 CHUNK_BYTES = 4 << 20  # bytes per read of a shard's content (download, CRC)
 COUNTERS = ("downloads", "hits", "around", "evictions")
-PLAN_HEADER_BYTES = 51  # a plan file starts with "<position:20> <ahead:20> <plan id:8>\n"
+PLAN_HEADER_BYTES = 53  # a plan starts with "<position:20> <ahead:20> <plan id:8> <L|R>\n"
 _LAYOUT = ("shards", "tmp", "procs", "stats")
 _BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 _PRIVATE = 0o700  # folders made here
@@ -209,10 +209,11 @@ def new_plan_path(cache_dir: str) -> str:
     return os.path.join(cache_dir, "procs", f"{os.getpid()}.{secrets.token_hex(4)}.plan")
 
 
-def plan_header(position: int, ahead: int, plan_id: str) -> bytes:
+def plan_header(position: int, ahead: int, plan_id: str, released: bool = False) -> bytes:
     """A plan file's first line (``PLAN_HEADER_BYTES``, rewritten in place as the reader moves):
-    its position, the bytes it holds ahead of it, and the id of the plan below."""
-    return f"{position:>20d} {ahead:>20d} {plan_id}\n".encode()
+    its position, the bytes it holds ahead of it, the id of the plan below, and ``R`` once its
+    reader released it (ended its pass) or ``L`` (live; or its process died holding it)."""
+    return f"{position:>20d} {ahead:>20d} {plan_id} {'R' if released else 'L'}\n".encode()
 
 
 # ---------------------------------------------------------------- locks

@@ -23,7 +23,9 @@ Eviction follows the live plans: each reader publishes the keys it will read and
 making room for a shard needed at distance ``d`` evicts unpinned shards by farthest next use,
 never one needed at or before ``d``. Prefetch follows the same rule and is capped so that what
 all live plans hold ahead stays under a quarter of the limit (``PREFETCH_SHARE``). A released
-plan stays live ``PLAN_GRACE_SECONDS`` (the gap between epochs). The trade-off: a decision scans
+plan stays live ``PLAN_GRACE_SECONDS`` (the gap between epochs, or from ``nnh-data cache warm``
+to the job); the plan of a process that died holding it is removed at the next scan, which
+every new plan makes. The trade-off: a decision scans
 the folder and the plans under the node lock (milliseconds for 10,000 shards), which is small
 next to a shard's download.
 
@@ -232,6 +234,13 @@ class ShardCache:
             self._live_plans()
             self._tidy_records()
 
+    def remove_dead_plans(self) -> None:
+        """Remove the plans of processes that died holding them, and released ones older than
+        ``PLAN_GRACE_SECONDS`` (each new plan does, so that they go also when no read misses)."""
+        with node_lock(self.cache_dir):
+            if os.path.isdir(self._folder("procs")):  # (the folder deleted: none to remove)
+                self._live_plans()
+
     def verify(self) -> list[str]:
         """Check every shard against its record (size, owner, key, content: one read of each)
         and remove what fails, dead downloads' parts and orphan records; returns what was
@@ -410,7 +419,7 @@ class ShardCache:
 
     def _live_plans(self) -> _LivePlans:
         """The plans whose process holds them or released them less than
-        ``PLAN_GRACE_SECONDS`` ago (under the node lock); older ones are removed."""
+        ``PLAN_GRACE_SECONDS`` ago (under the node lock); the others are removed."""
         plans, ahead, seen = [], 0, set()
         folder = self._folder("procs")
         for name in os.listdir(folder):
@@ -434,11 +443,13 @@ class ShardCache:
             return None
         try:
             stat = os.fstat(fd)
-            if try_lock(fd, fcntl.LOCK_SH):  # nobody holds it: released, or its process died
-                if time.time() - stat.st_mtime > PLAN_GRACE_SECONDS:
+            unheld = try_lock(fd, fcntl.LOCK_SH)  # nobody holds it: released, or its process died
+            head = os.pread(fd, PLAN_HEADER_BYTES, 0).split()  # (then nobody writes it)
+            if unheld:
+                released = head[3:] == [b"R"]
+                if not released or time.time() - stat.st_mtime > PLAN_GRACE_SECONDS:
                     unlink(path)
                     return None
-            head = os.pread(fd, PLAN_HEADER_BYTES, 0).split()
             memo_key = (path, head[2].decode())
             if memo_key not in self._plan_memo:
                 body = json.loads(os.pread(fd, stat.st_size, PLAN_HEADER_BYTES))

@@ -10,6 +10,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import zlib
 from pathlib import Path
@@ -148,3 +149,29 @@ def test_a_cache_folder_another_user_made_0777_is_not_theirs_to_fill(
     finally:
         shutil.rmtree(top)
 
+
+def _hold_a_plan(cache_dir: str, remote, ready) -> None:
+    with ShardCache(cache_dir).session(prefetch=0) as session:
+        session.set_plan(list(remote.index.shards), range(len(remote.index.shards)))
+        ready.set()
+        signal.pause()
+
+
+def test_the_plan_of_a_killed_reader_is_removed_by_the_next_pass(
+    remote_tar, s3_proxy, deliver, tmp_path
+):
+    """A reader killed with SIGKILL leaves its plan file in ``procs/``; the next pass through
+    the cache removes it (a plan its reader released stays a while for the next pass)."""
+    cache_dir = str(tmp_path / "cache")
+    ready = FORK.Event()
+    reader = FORK.Process(target=_hold_a_plan, args=(cache_dir, remote_tar, ready))
+    reader.start()
+    assert ready.wait(30)
+    plans = os.listdir(os.path.join(cache_dir, "procs"))
+    assert [name.split(".")[0] for name in plans] == [str(reader.pid)]
+    os.kill(reader.pid, signal.SIGKILL)
+    reader.join()
+    ds = _dataset(remote_tar, s3_proxy, cache_dir)
+    assert deliver(ds) == [remote_tar.expected]
+    left = {name.split(".")[0] for name in os.listdir(os.path.join(cache_dir, "procs"))}
+    assert str(reader.pid) not in left

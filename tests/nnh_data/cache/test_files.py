@@ -73,11 +73,13 @@ def test_a_new_part_is_parsed_back(tmp_path):
 
 
 @pytest.mark.parametrize(("position", "ahead"), [(0, 0), (12, 345), (10**19, 10**19)])
-def test_a_plan_header_has_a_fixed_width(position, ahead):
+@pytest.mark.parametrize("released", [False, True])
+def test_a_plan_header_has_a_fixed_width(position, ahead, released):
     plan_id = secrets.token_hex(4)
-    header = plan_header(position, ahead, plan_id)
+    header = plan_header(position, ahead, plan_id, released)
     assert len(header) == PLAN_HEADER_BYTES and header.endswith(b"\n")
-    assert header.split() == [str(position).encode(), str(ahead).encode(), plan_id.encode()]
+    assert header.split() == [str(position).encode(), str(ahead).encode(), plan_id.encode(),
+                              b"R" if released else b"L"]  # fmt: skip
 
 
 def test_prepare_folder_lays_the_folder_out(tmp_path):
