@@ -80,6 +80,7 @@ from nnh_train.compat import (
     plot_request,
     train_precision,
 )
+from nnh_train.ddp_decorators import on_rank
 from nnh_train.ddp_init import get_dist_info, initialize_ddp
 from nnh_train.evaluation import Scorer, predictions, run_on_rank0
 from nnh_train.history import History, RunningEpoch
@@ -88,7 +89,7 @@ from nnh_train.plots import plot_history
 from nnh_train.preemption import PREEMPTED_EXIT_CODE, Preemption, reported_interrupt
 from nnh_train.progress import EpochProgress, epoch_summary
 from nnh_train.resume_state import ResumeState, checkpoint_state, read_checkpoint, save_on_rank0
-from nnh_train.run_lock import run_dirs_held
+from nnh_train.run_lock import check_run_dirs, run_dirs_held
 from nnh_train.step_agreement import StepRows, gather_rows
 from nnh_train.train_step import PRECISIONS, TrainStep
 
@@ -198,6 +199,7 @@ class NNHandler(OriginalAPI):
         self.log_fn: Callable[[str], Any] = print if self.logger is None else self.logger.info
         self._running = RunningEpoch()
         self._resume = ResumeState()
+        self._run_dirs: list[str] = []  # the folders the callbacks write, locked by train
         self._stepper = TrainStep(self.model, self.device, self.distributed, self.world_size)
 
     train_losses = _recorded("train_losses")
@@ -375,8 +377,9 @@ class NNHandler(OriginalAPI):
         if resume is not None:
             self.load_state(resume)
         self.should_stop = False
+        self._run_dirs = [d for c in self.callbacks for d in run_dirs_of(c)]
         with (
-            run_dirs_held([d for c in self.callbacks for d in run_dirs_of(c)], self.rank),
+            run_dirs_held(self._run_dirs, self.rank),
             preemption.signals_caught(),
             reported_interrupt(lambda: preemption.interrupted(self.rank, self.step, self.epoch,
                                                               self._running.batches)),
@@ -462,6 +465,8 @@ class NNHandler(OriginalAPI):
         self._running.reset()
         for line in epoch_summary(self.epoch_logs, run.epochs):
             self._log(line)
+        if self._run_dirs:  # deleted under the run: made again, or this run stops
+            on_rank(0)(check_run_dirs)(self._run_dirs)
         self._call("on_epoch_end")
 
     def _validate(self) -> None:
@@ -502,7 +507,9 @@ class NNHandler(OriginalAPI):
         save_on_rank0(path, share, self._checkpoint, self.distributed)
 
     def _checkpoint(self, shares: list[dict[str, Any]]) -> dict[str, Any]:
-        """This run's checkpoint, with every rank's share (rank 0, saving)."""
+        """This run's checkpoint, with every rank's share (rank 0, saving), once the run's
+        folders are checked (:func:`~nnh_train.run_lock.check_run_dirs`)."""
+        check_run_dirs(self._run_dirs)
         position = {"epoch": self.epoch, "step": self.step, **self._running.state_dict()}
         objects = self._resume.object_states(self._objects())
         return checkpoint_state(self.module, objects, position, self._history.state_dict(),
