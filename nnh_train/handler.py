@@ -18,7 +18,9 @@ the same checkpoint at the same step and exit with :data:`PREEMPTED_EXIT_CODE`; 
 is summed in rank order from those rows, so it is identical on every rank, and so are the
 callbacks' decisions that read it. The cost is that one small collective per step (measured
 against a bare loop in ``tools/bench/trainer.py``); a NaN check or a preemption flag that ranks
-must agree on cannot be had for less.
+must agree on cannot be had for less. A step that lasts longer than ``NNH_STALL_REPORT_S``
+(five minutes by default) is reported on the ranks that wait in it, naming the ranks that have
+not reached it (:mod:`~nnh_train.stall_report`).
 
 Resume. A checkpoint holds the unwrapped model, optimizer, scheduler, scaler, the position (epoch,
 batches done in it, optimizer steps), the epoch's partial sums, the history, and per rank the
@@ -42,6 +44,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +93,7 @@ from nnh_train.preemption import PREEMPTED_EXIT_CODE, Preemption, reported_inter
 from nnh_train.progress import EpochProgress, epoch_summary
 from nnh_train.resume_state import ResumeState, checkpoint_state, read_checkpoint, save_on_rank0
 from nnh_train.run_lock import check_run_dirs, run_dirs_held
+from nnh_train.stall_report import StallWatch, stall_seconds
 from nnh_train.step_agreement import StepRows, gather_rows
 from nnh_train.train_step import PRECISIONS, TrainStep
 
@@ -201,6 +205,9 @@ class NNHandler(OriginalAPI):
         self._resume = ResumeState()
         self._run_dirs: list[str] = []  # the folders the callbacks write, locked by train
         self._stepper = TrainStep(self.model, self.device, self.distributed, self.world_size)
+        stall_s = stall_seconds()
+        self._stalls = StallWatch(self.rank, self.world_size, stall_s) if (
+            self.distributed and stall_s) else None  # fmt: skip
 
     train_losses = _recorded("train_losses")
     val_losses = _recorded("val_losses")
@@ -436,10 +443,12 @@ class NNHandler(OriginalAPI):
 
     def _train_step(self, group: list[Counted], run: _Run) -> int:
         """One optimizer step over ``group``; the real samples it trained on, over all ranks."""
-        flag = run.preemption.flag
-        rows = StepRows(self._stepper.forward_backward(group, self._scorer(), flag)())
-        error = rows.non_finite_error(f"step {self.step} (epoch {self.epoch}, batch "
-                                      f"{self._running.batches})")  # fmt: skip
+        where = f"step {self.step} (epoch {self.epoch}, batch {self._running.batches})"
+        watch = nullcontext() if self._stalls is None else self._stalls.in_step(self.step, where)
+        with watch:  # a step longer than NNH_STALL_REPORT_S names the ranks not in it
+            rows = StepRows(self._stepper.forward_backward(group, self._scorer(),
+                                                           run.preemption.flag)())  # fmt: skip
+        error = rows.non_finite_error(where)
         if error is not None:
             self.optimizer.zero_grad(set_to_none=True)
             raise error
