@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from nnh_train.callbacks import Callback, Trainer
-from nnh_train.checkpoint import load_checkpoint
+from nnh_train.checkpoint_fields import check_recorded_model
+from nnh_train.resume_state import read_checkpoint
 
 __all__ = [
     "ORIGINAL_OPTIONS",
@@ -277,14 +278,17 @@ def handler_from_checkpoint(
 ) -> H:  # fmt: skip
     """``NNHandler.load`` on the class: a ``cls`` handler with the state of checkpoint
     ``path``, for the model given, or the one the checkpoint records (a device in the model's
-    place, as the original's ``NNHandler.load(path, device)``, is the device)."""
+    place, as the original's ``NNHandler.load(path, device)``, is the device), once its sizes
+    are checked against the checkpoint's tensors on the meta device."""
     if is_device(model_class_or_instance):
         if device is not None:
             raise ValueError(f"device given twice: {model_class_or_instance!r} and {device!r}")
         model_class_or_instance, device = None, model_class_or_instance
     if model_class_or_instance is None:
-        recorded, kwargs = model_from_record(load_checkpoint(path), os.fspath(path))
+        state = read_checkpoint(path)
+        recorded, kwargs = model_from_record(state, os.fspath(path))
         model_class_or_instance, model_kwargs = recorded, {**kwargs, **model_kwargs}
+        check_recorded_model(recorded, model_kwargs, state["model"], os.fspath(path))
     handler = cls(model_class_or_instance, device, use_distributed, **model_kwargs)
     handler.load_state(path)
     return handler

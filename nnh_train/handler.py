@@ -18,7 +18,9 @@ the same checkpoint at the same step and exit with :data:`PREEMPTED_EXIT_CODE`; 
 is summed in rank order from those rows, so it is identical on every rank, and so are the
 callbacks' decisions that read it. The cost is that one small collective per step (measured
 against a bare loop in ``tools/bench/trainer.py``); a NaN check or a preemption flag that ranks
-must agree on cannot be had for less.
+must agree on cannot be had for less. A step that lasts longer than ``NNH_STALL_REPORT_S``
+(five minutes by default) is reported on the ranks that wait in it, naming the ranks that have
+not reached it (:mod:`~nnh_train.stall_report`).
 
 Resume. A checkpoint holds the unwrapped model, optimizer, scheduler, scaler, the position (epoch,
 batches done in it, optimizer steps), the epoch's partial sums, the history, and per rank the
@@ -42,6 +44,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -80,6 +83,7 @@ from nnh_train.compat import (
     plot_request,
     train_precision,
 )
+from nnh_train.ddp_decorators import on_rank
 from nnh_train.ddp_init import get_dist_info, initialize_ddp
 from nnh_train.evaluation import Scorer, predictions, run_on_rank0
 from nnh_train.global_steps import GlobalSteps, global_steps
@@ -89,7 +93,8 @@ from nnh_train.plots import plot_history
 from nnh_train.preemption import PREEMPTED_EXIT_CODE, Preemption, reported_interrupt
 from nnh_train.progress import EpochProgress, epoch_summary
 from nnh_train.resume_state import ResumeState, checkpoint_state, read_checkpoint, save_on_rank0
-from nnh_train.run_lock import run_dirs_held
+from nnh_train.run_lock import check_run_dirs, run_dirs_held
+from nnh_train.stall_report import StallWatch, stall_seconds
 from nnh_train.step_agreement import StepRows, gather_rows
 from nnh_train.train_step import PRECISIONS, TrainStep
 
@@ -200,7 +205,11 @@ class NNHandler(OriginalAPI):
         self.log_fn: Callable[[str], Any] = print if self.logger is None else self.logger.info
         self._running = RunningEpoch()
         self._resume = ResumeState()
+        self._run_dirs: list[str] = []  # the folders the callbacks write, locked by train
         self._stepper = TrainStep(self.model, self.device, self.distributed, self.world_size)
+        stall_s = stall_seconds()
+        self._stalls = StallWatch(self.rank, self.world_size, stall_s) if (
+            self.distributed and stall_s) else None  # fmt: skip
 
     train_losses = _recorded("train_losses")
     val_losses = _recorded("val_losses")
@@ -389,8 +398,9 @@ class NNHandler(OriginalAPI):
         if resume is not None:
             self.load_state(resume)
         self.should_stop = False
+        self._run_dirs = [d for c in self.callbacks for d in run_dirs_of(c)]
         with (
-            run_dirs_held([d for c in self.callbacks for d in run_dirs_of(c)], self.rank),
+            run_dirs_held(self._run_dirs, self.rank),
             preemption.signals_caught(),
             reported_interrupt(lambda: preemption.interrupted(self.rank, self.step, self.epoch,
                                                               self._running.batches)),
@@ -449,9 +459,11 @@ class NNHandler(OriginalAPI):
         """One optimizer step over ``group``; the real samples it trained on, over all ranks."""
         flag = run.preemption.flag
         samples = None if run.steps is None else run.steps.samples(self._running.batches)
-        rows = StepRows(self._stepper.forward_backward(group, self._scorer(), flag, samples)())
-        error = rows.non_finite_error(f"step {self.step} (epoch {self.epoch}, batch "
-                                      f"{self._running.batches})")  # fmt: skip
+        where = f"step {self.step} (epoch {self.epoch}, batch {self._running.batches})"
+        watch = nullcontext() if self._stalls is None else self._stalls.in_step(self.step, where)
+        with watch:  # a step longer than NNH_STALL_REPORT_S names the ranks not in it
+            rows = StepRows(self._stepper.forward_backward(group, self._scorer(), flag, samples)())
+        error = rows.non_finite_error(where)
         if error is not None:
             self.optimizer.zero_grad(set_to_none=True)
             raise error
@@ -477,6 +489,8 @@ class NNHandler(OriginalAPI):
         self._running.reset()
         for line in epoch_summary(self.epoch_logs, run.epochs):
             self._log(line)
+        if self._run_dirs:  # deleted under the run: made again, or this run stops
+            on_rank(0)(check_run_dirs)(self._run_dirs)
         self._call("on_epoch_end")
 
     def _validate(self) -> None:
@@ -517,7 +531,9 @@ class NNHandler(OriginalAPI):
         save_on_rank0(path, share, self._checkpoint, self.distributed)
 
     def _checkpoint(self, shares: list[dict[str, Any]]) -> dict[str, Any]:
-        """This run's checkpoint, with every rank's share (rank 0, saving)."""
+        """This run's checkpoint, with every rank's share (rank 0, saving), once the run's
+        folders are checked (:func:`~nnh_train.run_lock.check_run_dirs`)."""
+        check_run_dirs(self._run_dirs)
         position = {"epoch": self.epoch, "step": self.step, **self._running.state_dict()}
         objects = self._resume.object_states(self._objects())
         return checkpoint_state(self.module, objects, position, self._history.state_dict(),

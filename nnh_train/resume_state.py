@@ -31,6 +31,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from nnh_data.streaming import state_from_loader
 from nnh_train.batches import iterate, resumed
 from nnh_train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from nnh_train.checkpoint_fields import check_fields
 from nnh_train.dd_helpers import gather_to_rank0
 from nnh_train.ddp_decorators import on_rank
 
@@ -95,13 +96,16 @@ def save_on_rank0(
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Checkpoint ``path`` (:func:`~nnh_train.checkpoint.load_checkpoint`), refused when its
-    version is not the one this nnh reads."""
+    version is not the one this nnh reads (ValueError) or a field is not what that version
+    holds (:class:`~nnh_train.errors.CheckpointError`, :func:`~nnh_train.checkpoint_fields.
+    check_fields`)."""
     state = load_checkpoint(path)
     if state.get("version") != CHECKPOINT_VERSION:
         raise ValueError(
             f"checkpoint {os.fspath(path)!r} has version {state.get('version')!r}; this "
             f"nnh reads {CHECKPOINT_VERSION}"
         )
+    check_fields(state, os.fspath(path))
     return state
 
 

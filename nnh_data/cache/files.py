@@ -5,7 +5,7 @@ Every process of a node (ranks, DataLoader workers, other jobs) shares one folde
     lock                                   node lock (flock), held for bookkeeping only
     shards/<kk>/<key>-<name>, <key>.json   complete shards (appear by rename) and their record
     tmp/<key>.<size>.<pid>.<rand>.part     downloads in flight
-    procs/<pid>.<rand>.plan                each live reader's plan and position
+    procs/<pid>.<rand>.plan                each reader's plan and position (while it lives)
     stats/<pid>.json                       each process's counters, summed by stats()
 
 Every lock is an ``fcntl.flock`` on an open file, so the kernel drops it when its process dies:
@@ -27,12 +27,17 @@ import json
 import os
 import re
 import secrets
+import stat
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
+
+from nnh_data.atomic import atomic_write
 
 __all__ = [
     "CHUNK_BYTES",
@@ -43,7 +48,10 @@ __all__ = [
     "age",
     "boot_id",
     "file_crc",
+    "exposed",
     "file_size",
+    "foreign",
+    "lay_out",
     "locked_file",
     "new_part_path",
     "new_plan_path",
@@ -53,41 +61,109 @@ __all__ = [
     "plan_header",
     "prepare_folder",
     "read_json",
+    "read_record",
     "record_path",
     "shard_name",
     "shard_path",
+    "signature",
     "summed_counts",
     "try_lock",
     "unlink",
     "wait_unlocked",
     "write_all",
+    "write_record",
 ]
 
 CHUNK_BYTES = 4 << 20  # bytes per read of a shard's content (download, CRC)
 COUNTERS = ("downloads", "hits", "around", "evictions")
-PLAN_HEADER_BYTES = 51  # a plan file starts with "<position:20> <ahead:20> <plan id:8>\n"
+PLAN_HEADER_BYTES = 53  # a plan starts with "<position:20> <ahead:20> <plan id:8> <L|R>\n"
 _LAYOUT = ("shards", "tmp", "procs", "stats")
 _BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+_PRIVATE = 0o700  # folders made here
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
 # ---------------------------------------------------------------- the layout
 
 
 def prepare_folder(cache_dir: str | os.PathLike) -> str:
-    """``cache_dir`` as an absolute path, with its layout created; ValueError naming
-    ``cache_dir`` when it is a file or cannot be written."""
+    """The folder to use for ``cache_dir`` as an absolute path, laid out: ``cache_dir`` itself
+    when only its owner (this user, or root) can write it and its layout, else its private
+    subfolder ``uid-<uid>``, with a warning. ValueError naming ``cache_dir`` when it is a file,
+    cannot be written, or its private subfolder is not private either (another user made it)."""
     path = os.path.abspath(os.fspath(cache_dir))
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"cache_dir must be a folder, got a file: {path!r}")
     try:
-        for name in _LAYOUT:
-            os.makedirs(os.path.join(path, name), exist_ok=True)
-        os.close(os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_CREAT, 0o666))
+        os.makedirs(path, mode=_PRIVATE, exist_ok=True)
+        problem = exposed(path)
+        if problem is not None:
+            path = _private_subfolder(path, problem)
+        lay_out(path)
     except OSError as exc:
         raise ValueError(f"cache_dir must be a writable folder, got {path!r} ({exc})") from None
     if not os.access(path, os.W_OK):
         raise ValueError(f"cache_dir must be a writable folder, got {path!r}")
     return path
+
+
+def _private_subfolder(path: str, problem: str) -> str:
+    private = os.path.join(path, f"uid-{os.geteuid()}")
+    os.makedirs(private, mode=_PRIVATE, exist_ok=True)
+    again = exposed(private)
+    if again is not None:
+        raise ValueError(
+            f"cache_dir {path!r} can be written by other users ({problem}), and so can its "
+            f"private subfolder ({again}): another user could swap the shards it holds; use a "
+            "folder only you can write (mkdir -m 700 DIR)"
+        )
+    warnings.warn(
+        f"cache_dir {path!r} can be written by other users ({problem}): they could swap the "
+        f"shards it holds, so the cache uses its private subfolder {private!r}; give a folder "
+        "only you can write (chmod go-w, or mkdir -m 700 DIR) to use it directly",
+        stacklevel=4,
+    )
+    return private
+
+
+def lay_out(path: str) -> None:
+    """Create ``path``'s layout where it is missing (after the folder was deleted under a
+    running job, too). PermissionError when ``path`` is no longer this user's."""
+    os.makedirs(path, mode=_PRIVATE, exist_ok=True)
+    owner = foreign(os.stat(path), path)
+    if owner is not None:
+        raise PermissionError(f"{owner}: not using this cache folder any more")
+    for name in _LAYOUT:
+        os.makedirs(os.path.join(path, name), mode=_PRIVATE, exist_ok=True)
+    os.close(os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_CREAT, 0o600))
+
+
+def exposed(path: str) -> str | None:
+    """What in cache folder ``path`` (the folder, its layout, its subfolders of shards) another
+    user could write, or None."""
+    problem = foreign(os.stat(path), path)
+    names = [os.path.join(path, name) for name in ("lock", *_LAYOUT)]
+    shards = os.path.join(path, "shards")
+    if os.path.isdir(shards) and not os.path.islink(shards):
+        names += [entry.path for entry in os.scandir(shards)]
+    for name in names:
+        if problem is not None:
+            return problem
+        try:
+            problem = foreign(os.lstat(name), name)
+        except FileNotFoundError:
+            continue
+    return problem
+
+
+def foreign(status: os.stat_result, name: str = "it") -> str | None:
+    """Why a file or folder with ``status`` may hold another user's bytes (it is theirs, or
+    writable by its group or others), or None: this user's or root's, writable by them only."""
+    if status.st_uid not in (os.geteuid(), 0):
+        return f"{name} belongs to uid {status.st_uid}"
+    if status.st_mode & _OTHERS_WRITE and not stat.S_ISLNK(status.st_mode):
+        return f"{name} has mode {stat.S_IMODE(status.st_mode):o}, writable by other users"
+    return None
 
 
 def shard_name(url: str) -> str:
@@ -133,10 +209,11 @@ def new_plan_path(cache_dir: str) -> str:
     return os.path.join(cache_dir, "procs", f"{os.getpid()}.{secrets.token_hex(4)}.plan")
 
 
-def plan_header(position: int, ahead: int, plan_id: str) -> bytes:
+def plan_header(position: int, ahead: int, plan_id: str, released: bool = False) -> bytes:
     """A plan file's first line (``PLAN_HEADER_BYTES``, rewritten in place as the reader moves):
-    its position, the bytes it holds ahead of it, and the id of the plan below."""
-    return f"{position:>20d} {ahead:>20d} {plan_id}\n".encode()
+    its position, the bytes it holds ahead of it, the id of the plan below, and ``R`` once its
+    reader released it (ended its pass) or ``L`` (live; or its process died holding it)."""
+    return f"{position:>20d} {ahead:>20d} {plan_id} {'R' if released else 'L'}\n".encode()
 
 
 # ---------------------------------------------------------------- locks
@@ -212,12 +289,19 @@ def node_lock(cache_dir: str) -> Iterator[None]:
 
 
 def _open_lock(cache_dir: str) -> int:
+    """The node lock's file, opened; PermissionError when the folder is no longer this user's
+    (another user moved it away and made their own in its place)."""
     path, flags = os.path.join(cache_dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
     try:
-        return os.open(path, flags, 0o666)
+        fd = os.open(path, flags, 0o600)
     except FileNotFoundError:
-        prepare_folder(cache_dir)
-        return os.open(path, flags, 0o666)
+        lay_out(cache_dir)
+        fd = os.open(path, flags, 0o600)
+    owner = foreign(os.stat(cache_dir), cache_dir)
+    if owner is not None:
+        os.close(fd)
+        raise PermissionError(f"{owner}: not using this cache folder any more")
+    return fd
 
 
 # ---------------------------------------------------------------- files and records
@@ -249,13 +333,45 @@ def read_json(path: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def boot_id() -> str:
-    """This boot's id ("" where the kernel does not tell)."""
+def read_record(path: str) -> dict | None:
+    """The record in ``path``, or None when it is missing, unreadable, not an object, or
+    another user's (:func:`foreign`)."""
     try:
-        with open(_BOOT_ID_FILE) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+        with open(path, "rb") as f:
+            if foreign(os.fstat(f.fileno())) is not None:
+                return None
+            value = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def write_record(path: str, record: dict[str, Any]) -> None:
+    """Replace the record in ``path`` at once, readable by others and writable by this user
+    only (whatever the umask)."""
+    with atomic_write(path) as f:
+        os.fchmod(f.fileno(), 0o644)
+        f.write(json.dumps(record).encode())
+
+
+_BOOT: list[str] = []
+
+
+def boot_id() -> str:
+    """This boot's id ("" where the kernel does not tell); read once per process."""
+    if not _BOOT:
+        try:
+            with open(_BOOT_ID_FILE) as f:
+                _BOOT.append(f.read().strip())
+        except OSError:
+            _BOOT.append("")
+    return _BOOT[0]
+
+
+def signature(status: os.stat_result) -> list[Any]:
+    """What changes when a file's content changes (its inode's change time: set by every write,
+    truncate and rename, and by no user on purpose), or when the machine restarts."""
+    return [boot_id(), status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns]
 
 
 def file_crc(fd: int) -> int:
@@ -321,7 +437,7 @@ class Counters:
 
     def _write(self, record: bytes) -> None:
         os.makedirs(self.folder, exist_ok=True)  # the cache folder was deleted under a job
-        fd = os.open(self._path(), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = os.open(self._path(), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             os.pwrite(fd, record, 0)
         finally:

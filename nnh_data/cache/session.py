@@ -7,8 +7,11 @@ position with ``advance`` and reads shards through ``open``/``release``; ``open`
 when the cache is smaller than what the readers need at once, and the caller then reads the
 remote directly. The plan is a file in ``procs/``, locked by the session while it lives, whose
 first line (the position and the bytes prefetched ahead of it) is rewritten in place as the
-reader moves, so every process's evictions see where every reader stands. A miss claims a part
-from the store (:meth:`~nnh_data.cache.store.ShardCache.claim`), downloads into it
+reader moves, so every process's evictions see where every reader stands. A closed session
+marks its plan released, which keeps it a while for the next pass to take over; the plan of a
+process that died holding it is removed by the next reader that publishes one (or any scan of
+the plans). A miss claims a part from the store
+(:meth:`~nnh_data.cache.store.ShardCache.claim`), downloads into it
 (:func:`~nnh_data.cache.download.download`) and publishes it; a thread prefetches the next
 ``prefetch`` shards of the plan the same way, under the store's cap on what is held ahead.
 """
@@ -31,12 +34,13 @@ import numpy as np
 from nnh_data.cache.download import STALL_SECONDS, download
 from nnh_data.cache.files import (
     Counters,
+    lay_out,
     locked_file,
     new_plan_path,
     node_lock,
     plan_header,
-    prepare_folder,
     shard_path,
+    unlink,
     wait_unlocked,
 )
 from nnh_data.cache.policy import shard_key
@@ -108,23 +112,36 @@ class CacheSession:
         keys = [shard_key(info.url, info.size, info.version) for info in shards]
         state = _PlanState(list(shards), keys, times)
         try:
+            self.cache.remove_dead_plans()
             fd, temporary = self._plan_file(state)
         except OSError as exc:  # the folder cannot take it: reads go on, the plan unpublished
             _warn_local(self.cache, exc)
             fd = temporary = None
-        with node_lock(self.cache.cache_dir), self._changed:  # no scan sees the old plan unlocked
+        try:
+            with node_lock(self.cache.cache_dir), self._changed:  # no scan sees the old plan
+                if temporary is not None:  # unlocked
+                    os.rename(temporary, self._plan_path)
+                self._use_plan(fd, state)
+        except OSError as exc:  # the folder failed (another user's now): the plan unpublished
+            _warn_local(self.cache, exc)
             if temporary is not None:
-                os.rename(temporary, self._plan_path)
-            if self._plan_fd is not None:
-                os.close(self._plan_fd)
-            self._plan_fd, self._state = fd, state
-            self._version += 1
-            self._changed.notify_all()
+                os.close(fd)
+                unlink(temporary)
+            with self._changed:
+                self._use_plan(None, state)
         if self.prefetch and self._thread is None:
             self._thread = threading.Thread(
                 target=self._prefetch_loop, daemon=True, name="nnh-cache-prefetch"
             )
             self._thread.start()
+
+    def _use_plan(self, fd: int | None, state: _PlanState) -> None:
+        """Make ``state`` this reader's plan, published in ``fd`` (None: unpublished)."""
+        if self._plan_fd is not None:
+            os.close(self._plan_fd)
+        self._plan_fd, self._state = fd, state
+        self._version += 1
+        self._changed.notify_all()
 
     def advance(self, t: int) -> None:
         """This reader now stands at item index ``t`` of its plan (cheap: one write of a few
@@ -178,7 +195,10 @@ class CacheSession:
         f, _ = self._pins.pop(key, (None, 0))
         if f is not None:
             f.close()
-        self.cache.remove_unusable(key, shard_path(self.cache.cache_dir, key, info.url))
+        try:
+            self.cache.remove_unusable(key, shard_path(self.cache.cache_dir, key, info.url))
+        except OSError as exc:  # the folder failed: the next open reads around it
+            _warn_local(self.cache, exc)
 
     def warm(self, shards: Sequence[ShardInfo]) -> int:
         """Publish ``shards`` as the plan, in order, and download them (most needed first) until
@@ -204,7 +224,7 @@ class CacheSession:
         if self._plan_fd is not None:
             with self._changed:
                 self._state.ahead.clear()  # a closed reader holds nothing ahead
-                self._write_header()
+                self._write_header(released=True)
             os.close(self._plan_fd)  # its modification time is the release time
             self._plan_fd = None
 
@@ -280,12 +300,12 @@ class CacheSession:
         try:
             return locked_file(temporary, data), temporary
         except FileNotFoundError:
-            prepare_folder(self.cache.cache_dir)
+            lay_out(self.cache.cache_dir)
             return locked_file(temporary, data), temporary
 
-    def _write_header(self) -> None:
+    def _write_header(self, released: bool = False) -> None:
         if self._plan_fd is not None:
-            os.pwrite(self._plan_fd, self._state.header(), 0)
+            os.pwrite(self._plan_fd, self._state.header(released), 0)
 
     def _drop_inherited(self) -> None:
         """In a forked child: close the parent's pins and plan (the parent keeps them)."""
@@ -331,11 +351,12 @@ class _PlanState:
     ahead: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> (size, its t)
     plan_id: str = field(default_factory=lambda: secrets.token_hex(4))  # names the body
 
-    def header(self) -> bytes:
-        """The plan file's first line: the position and the bytes held ahead of it."""
+    def header(self, released: bool = False) -> bytes:
+        """The plan file's first line: the position, the bytes held ahead of it, whether it is
+        released."""
         self.ahead = {k: st for k, st in self.ahead.items() if st[1] > self.position}
         held = sum(size for size, _ in self.ahead.values())
-        return plan_header(self.position, held, self.plan_id)
+        return plan_header(self.position, held, self.plan_id, released)
 
     def next_index(self) -> int:
         """The index of the first read after the position."""

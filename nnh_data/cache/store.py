@@ -9,14 +9,23 @@ rewritten object is a new key and never served stale. Eviction takes ``LOCK_EX |
 the node lock, so a pinned shard is never removed. A miss looks, under the node lock, for a live
 part of the key first, then for the published file: a live part is waited on, and otherwise room
 is made before the part is created (in-flight parts count at their full size), so the folder
-never holds more than the limit. A shard of an earlier boot (shards are not fsynced) is checked
-against its record's CRC-32 before use.
+never holds more than the limit.
+
+Content. A record holds the CRC-32 of the bytes downloaded. Before a copy is used its record
+must be this user's and of its key, and its content must match that CRC-32, which is computed
+again (one read of the shard) unless the file's :func:`~nnh_data.cache.files.signature` (boot,
+inode, size, modification and change times) is the one recorded when it was last found to match:
+so every process skips the check until the file is written to (a write sets the change time,
+which no user can set back), truncated, moved or the machine restarts (shards are not fsynced).
+A copy that fails is removed, with a warning, and downloaded again.
 
 Eviction follows the live plans: each reader publishes the keys it will read and when, and
 making room for a shard needed at distance ``d`` evicts unpinned shards by farthest next use,
 never one needed at or before ``d``. Prefetch follows the same rule and is capped so that what
 all live plans hold ahead stays under a quarter of the limit (``PREFETCH_SHARE``). A released
-plan stays live ``PLAN_GRACE_SECONDS`` (the gap between epochs). The trade-off: a decision scans
+plan stays live ``PLAN_GRACE_SECONDS`` (the gap between epochs, or from ``nnh-data cache warm``
+to the job); the plan of a process that died holding it is removed at the next scan, which
+every new plan makes. The trade-off: a decision scans
 the folder and the plans under the node lock (milliseconds for 10,000 shards), which is small
 next to a shard's download.
 
@@ -30,16 +39,17 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from nnh_data.atomic import replace_file
 from nnh_data.cache.files import (
     PLAN_HEADER_BYTES,
     Counters,
@@ -48,19 +58,22 @@ from nnh_data.cache.files import (
     boot_id,
     file_crc,
     file_size,
+    foreign,
     locked_file,
     new_part_path,
     node_lock,
     open_if_unlocked,
     parse_part,
     prepare_folder,
-    read_json,
+    read_record,
     record_path,
     shard_name,
     shard_path,
+    signature,
     summed_counts,
     try_lock,
     unlink,
+    write_record,
 )
 from nnh_data.cache.policy import Plan, choose_victims, next_uses, parse_size, shard_key
 from nnh_data.cache.session import CacheSession
@@ -75,10 +88,12 @@ __all__ = [
     "ShardCache",
 ]
 
+logger = logging.getLogger(__name__)
+
 PLAN_GRACE_SECONDS = 120.0  # a released plan stays live this long (the gap between epochs)
 PREFETCH_SHARE = 0.25  # what all live plans hold ahead stays under this share of the limit
 DISK_RESERVE = 1 << 30  # kept free on the disk (a twentieth of a disk under 20 GiB)
-_MTIME_SLACK_NS = 200_000_000  # a folder changed this recently is listed again
+_MTIME_SLACK_NS = 200_000_000  # a folder or shard changed this recently is looked at again
 
 
 @dataclass(frozen=True)
@@ -177,7 +192,7 @@ class ShardCache:
         """The complete shards in the cache."""
         out = []
         for key, (path, size) in self._listing().items():
-            meta = read_json(record_path(self.cache_dir, key))
+            meta = read_record(record_path(self.cache_dir, key))
             if meta is not None:
                 out.append(CacheEntry(meta["url"], size, path, key, meta["version"]))
         return out
@@ -219,9 +234,17 @@ class ShardCache:
             self._live_plans()
             self._tidy_records()
 
+    def remove_dead_plans(self) -> None:
+        """Remove the plans of processes that died holding them, and released ones older than
+        ``PLAN_GRACE_SECONDS`` (each new plan does, so that they go also when no read misses)."""
+        with node_lock(self.cache_dir):
+            if os.path.isdir(self._folder("procs")):  # (the folder deleted: none to remove)
+                self._live_plans()
+
     def verify(self) -> list[str]:
-        """Check every shard against its record (size, key; content for an earlier boot's) and
-        remove what fails, dead downloads' parts and orphan records; returns what was found."""
+        """Check every shard against its record (size, owner, key, content: one read of each)
+        and remove what fails, dead downloads' parts and orphan records; returns what was
+        found."""
         problems = []
         with node_lock(self.cache_dir):
             listing = self._listing()
@@ -245,20 +268,21 @@ class ShardCache:
 
     def open_copy(self, key: str, info: ShardInfo) -> BinaryIO | None:
         """The published shard, pinned (``LOCK_SH``) and counted as a hit, or None; a copy that
-        fails its checks is removed."""
+        fails its checks is removed, with a warning when it changed since its download."""
         path = shard_path(self.cache_dir, key, info.url)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         fcntl.flock(fd, fcntl.LOCK_SH)
-        stat = os.fstat(fd)
-        if stat.st_nlink and stat.st_size == info.size and self._fresh(key, fd):
+        status = os.fstat(fd)
+        reason = self._unusable(key, fd, status, info.size) if status.st_nlink else "removed"
+        if reason is None:
             Counters.of(self.cache_dir).add("hits")
             return os.fdopen(fd, "rb")
         os.close(fd)
-        if stat.st_nlink:
-            self.remove_unusable(key, path, stat.st_ino)
+        if status.st_nlink and self.remove_unusable(key, path, status.st_ino):
+            _report(self.cache_dir, info.url, reason)
         return None
 
     def claim(
@@ -300,8 +324,8 @@ class ShardCache:
         meta = {"url": info.url, "size": info.size, "version": info.version,
                 "name": shard_name(info.url), "boot_id": boot_id(), "crc32": crc}  # fmt: skip
         record = record_path(self.cache_dir, claim.key)
-        os.makedirs(os.path.dirname(record), exist_ok=True)
-        replace_file(record, json.dumps(meta).encode())
+        os.makedirs(os.path.dirname(record), mode=0o700, exist_ok=True)
+        write_record(record, meta)
         with node_lock(self.cache_dir):  # no eviction sees it between the rename and the pin
             os.rename(claim.part, shard_path(self.cache_dir, claim.key, info.url))
             fcntl.flock(claim.fd, fcntl.LOCK_SH)
@@ -353,7 +377,7 @@ class ShardCache:
     def _size_of(self, key: str, path: str) -> int:
         size = self._sizes.get(key)
         if size is None:
-            meta = read_json(record_path(self.cache_dir, key))
+            meta = read_record(record_path(self.cache_dir, key))
             try:
                 size = int(meta["size"]) if meta else os.stat(path).st_size
             except FileNotFoundError:
@@ -395,7 +419,7 @@ class ShardCache:
 
     def _live_plans(self) -> _LivePlans:
         """The plans whose process holds them or released them less than
-        ``PLAN_GRACE_SECONDS`` ago (under the node lock); older ones are removed."""
+        ``PLAN_GRACE_SECONDS`` ago (under the node lock); the others are removed."""
         plans, ahead, seen = [], 0, set()
         folder = self._folder("procs")
         for name in os.listdir(folder):
@@ -419,11 +443,13 @@ class ShardCache:
             return None
         try:
             stat = os.fstat(fd)
-            if try_lock(fd, fcntl.LOCK_SH):  # nobody holds it: released, or its process died
-                if time.time() - stat.st_mtime > PLAN_GRACE_SECONDS:
+            unheld = try_lock(fd, fcntl.LOCK_SH)  # nobody holds it: released, or its process died
+            head = os.pread(fd, PLAN_HEADER_BYTES, 0).split()  # (then nobody writes it)
+            if unheld:
+                released = head[3:] == [b"R"]
+                if not released or time.time() - stat.st_mtime > PLAN_GRACE_SECONDS:
                     unlink(path)
                     return None
-            head = os.pread(fd, PLAN_HEADER_BYTES, 0).split()
             memo_key = (path, head[2].decode())
             if memo_key not in self._plan_memo:
                 body = json.loads(os.pread(fd, stat.st_size, PLAN_HEADER_BYTES))
@@ -445,40 +471,40 @@ class ShardCache:
 
     # ------------------------------------------------------------ checks and eviction
 
-    def _fresh(self, key: str, fd: int) -> bool:
-        """True when the record is of this boot, or the content matches its CRC (then the
-        record is renewed): shards are not fsynced, so a crash can leave holes."""
+    def _unusable(
+        self, key: str, fd: int, status: os.stat_result, size: int, full: bool = False
+    ) -> str | None:
+        """Why the shard of ``key`` open as ``fd`` (``status``) cannot be used, or None: its
+        size, its owner, its record, its content (see the module's design; ``full``: its CRC
+        whatever its signature)."""
+        if status.st_size != size:
+            return f"has size {status.st_size}, expected {size}"
+        owner = foreign(status)
+        if owner is not None:
+            return f"cannot be trusted: {owner}"
         record = record_path(self.cache_dir, key)
-        meta = read_json(record)
-        if meta is None:
-            return False
-        if meta.get("boot_id") == boot_id():
-            return True
+        meta = read_record(record)
+        if meta is None or _key_of(meta) != key:
+            return "has no record of its own (missing, unreadable, of another shard or user)"
+        seen = signature(status)
+        if meta.get("checked") == seen and not full:
+            return None
         if file_crc(fd) != meta.get("crc32"):
-            return False
-        replace_file(record, json.dumps({**meta, "boot_id": boot_id()}).encode())
-        return True
+            return _CHANGED if meta.get("boot_id") == seen[0] else _RESTART
+        if time.time_ns() - status.st_ctime_ns > _MTIME_SLACK_NS:  # a time a write cannot share
+            write_record(record, {**meta, "boot_id": seen[0], "checked": seen})
+        return None
 
     def _check_entry(self, key: str, path: str, size: int) -> str | None:
         """Why the shard at ``path`` is unusable, or None."""
-        meta = read_json(record_path(self.cache_dir, key))
-        if meta is None:
-            return "no readable record"
-        if shard_key(meta["url"], meta["size"], meta["version"]) != key:
-            return "record does not match the key"
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         try:
-            actual = os.fstat(fd).st_size
-            if actual != size or actual != meta["size"]:
-                return f"size {actual}, expected {meta['size']}"
-            if not self._fresh(key, fd):
-                return "content of an earlier boot does not match its CRC-32"
+            return self._unusable(key, fd, os.fstat(fd), size, full=True)
         finally:
             os.close(fd)
-        return None
 
     def _make_room(
         self, usage: _Usage, plans: list[Plan], size: int, distance: float, limit: int
@@ -535,3 +561,25 @@ class ShardCache:
                     unlink(entry.path)
                     removed.append(f"removed a record without its shard: {entry.path}")
         return removed
+
+
+_CHANGED = "changed since it was downloaded (its CRC-32 differs)"
+_RESTART = "lost bytes in a restart (its CRC-32 differs)"
+
+
+def _key_of(meta: dict[str, Any]) -> str | None:
+    """The key a record describes, or None when it is not a record."""
+    try:
+        return shard_key(meta["url"], meta["size"], meta["version"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _report(cache_dir: str, url: str, reason: str) -> None:
+    """Say why the copy of ``url`` was removed: in the log after a restart (shards are not
+    fsynced, so a crash can leave holes), else in a warning (something wrote the cache)."""
+    message = f"the cached copy of {url!r} in {cache_dir!r} {reason}: removed, downloading it again"
+    if reason == _RESTART:
+        logger.info(message)
+    else:
+        warnings.warn(message, stacklevel=4)

@@ -8,16 +8,17 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 
 import pytest
 import torch
 from torch import nn
 
 from nnh_data import write_shards
-from nnh_train.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint
+from nnh_train.callbacks import Callback, CSVLogger, EarlyStopping, ModelCheckpoint
 from nnh_train.checkpoint import load_checkpoint
 from nnh_train.handler import NNHandler
-from nnh_train.run_lock import acquire_run_dirs, release_run_dirs
+from nnh_train.run_lock import LOCK_NAME, acquire_run_dirs, release_run_dirs
 from tests.nnh_train.test_handler import Net, data, stream_handler
 from tests.support import run_distributed
 
@@ -172,20 +173,51 @@ def _unused_parameters(rank: int, world_size: int) -> dict:
     return found
 
 
+def _outcome(h: NNHandler, epochs: int) -> str:
+    """``h.train(epochs)``'s error and where it stopped, or "trained"."""
+    try:
+        h.train(epochs)
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {exc} (step {h.step}, epoch {h.epoch})"
+    return "trained"
+
+
 def _locked(rank: int, world_size: int, folder: str) -> str:
     """A run on a folder another process holds: refused on every rank."""
     h = make(batch_size=4)
     h.add_callback(ModelCheckpoint(folder))
-    try:
-        h.train(1)
-    except RuntimeError as exc:
-        return f"{type(exc).__name__}: {exc} (step {h.step})"
-    return "trained"
+    return _outcome(h, 1)
+
+
+class _TakenAway(Callback):
+    """On rank 0, as epoch 1 starts: the run folder deleted (``rm -rf``) and another run's lock
+    file made in it again."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_epoch_begin(self, handler) -> None:
+        if handler.rank == 0 and handler.epoch == 1:
+            shutil.rmtree(self.folder)
+            os.makedirs(self.folder)
+            with open(os.path.join(self.folder, LOCK_NAME), "w") as f:
+                f.write("pid 1 on host elsewhere, since now")
+
+
+def _taken(rank: int, world_size: int, folder: str) -> str:
+    """A run whose folder another run took under it: stopped on every rank at that epoch's
+    end, before its CSVLogger writes."""
+    run = os.path.join(folder, "taken")
+    h = make(batch_size=4)
+    h.add_callback(CSVLogger(os.path.join(run, "metrics.csv")))
+    h.add_callback(_TakenAway(run))
+    return _outcome(h, 3)
 
 
 def _scenarios(rank: int, world_size: int, folder: str, urls: list[str], locked: str) -> dict:
     return {
         "locked": _locked(rank, world_size, locked),
+        "taken": _taken(rank, world_size, folder),
         "unused": _unused_parameters_flag(rank, world_size),
         "frozen": _frozen(rank, world_size),
         "stream": _stream(rank, world_size, folder, urls),
@@ -383,4 +415,14 @@ def test_a_run_on_a_folder_another_run_holds_is_refused_on_every_rank(reports, l
         assert f"run directory '{locked}' is in use by another run (pid {os.getpid()}" in (
             report["locked"]
         )
-        assert report["locked"].endswith("(step 0)")
+        assert report["locked"].endswith("(step 0, epoch 0)")
+
+
+@pytest.mark.timeout(200)
+def test_a_run_whose_folder_another_run_took_stops_on_every_rank(reports, folder):
+    for report in reports:
+        assert report["taken"].startswith("RankError: ")  # found on rank 0, raised on every rank
+        assert "was deleted while this run held it, and another run has used it since (pid 1 " \
+            "on host elsewhere" in report["taken"]
+        assert report["taken"].endswith("(step 12, epoch 2)")
+    assert sorted(os.listdir(os.path.join(folder, "taken"))) == [LOCK_NAME]  # no row written

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,12 @@ import torch
 from torch import nn
 
 from nnh_train import ModelCheckpoint, NNHandler, RunDirLockedError
-from nnh_train.run_lock import acquire_run_dirs, release_run_dirs, run_dirs_held
+from nnh_train.run_lock import (
+    acquire_run_dirs,
+    check_run_dirs,
+    release_run_dirs,
+    run_dirs_held,
+)
 from tests.support import ROOT, Net, data
 
 FIRST_RUN = """
@@ -104,7 +110,6 @@ def test_a_refused_folder_leaves_the_others_unlocked(tmp_path):
         held.stdout.close()
 
 
-
 def test_a_run_holds_its_folders_until_it_ends(tmp_path):
     folder = str(tmp_path / "run")
     with run_dirs_held([folder, folder], rank=0):  # callbacks sharing a folder: held once
@@ -114,3 +119,38 @@ def test_a_run_holds_its_folders_until_it_ends(tmp_path):
         assert held.returncode != 0 and "RunDirLockedError" in held.stderr
     acquire_run_dirs([folder])  # released: free again
     release_run_dirs([folder])
+
+
+def _probe(folder) -> subprocess.CompletedProcess:
+    """Another process trying to lock ``folder``."""
+    script = f"from nnh_train.run_lock import acquire_run_dirs; acquire_run_dirs([{folder!r}])"
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)  # fmt: skip
+
+
+def test_a_folder_deleted_under_its_run_is_made_again_and_locked(tmp_path):
+    """check_run_dirs: a folder still held is left alone; one deleted is made again and locked
+    (with a warning), so another process is refused there; folders not held are skipped."""
+    folder = str(tmp_path / "run")
+    with run_dirs_held([folder], rank=0):
+        check_run_dirs([folder, str(tmp_path / "not-held")])  # nothing to do
+        shutil.rmtree(folder)
+        with pytest.warns(RuntimeWarning, match="was deleted while this run held it: made it"):
+            check_run_dirs([folder])
+        assert os.path.isdir(folder)
+        probe = _probe(folder)
+        assert probe.returncode != 0 and f"(pid {os.getpid()} " in probe.stderr
+    assert _probe(folder).returncode == 0  # released at the end of the run
+
+
+def test_a_folder_another_run_used_since_its_deletion_stops_this_run(tmp_path):
+    """Deleted, then used by another run (which made its lock file, and may have ended): the
+    run stops with RunDirLockedError naming the folder and that run, rather than write there."""
+    folder = str(tmp_path / "run")
+    with run_dirs_held([folder], rank=0):
+        shutil.rmtree(folder)
+        assert _probe(folder).returncode == 0  # another run took it, and ended
+        with pytest.raises(RunDirLockedError, match=f"run directory {folder!r} was deleted while "
+                                                    "this run held it, and another run has used "
+                                                    "it since \\(pid "):  # fmt: skip
+            check_run_dirs([folder])

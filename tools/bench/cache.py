@@ -24,12 +24,17 @@ Prints one JSON object.
   glob of 10,000 small shards (two listings, the index sidecar) and from ``iter()`` to the
   first sample, in a fresh process, through an empty cache, the cache that left, and none.
   ``mds``: MosaicML Streaming is only compared when installed (it is not in the venv).
+- The content check (``check_figures``): CPU time of reading a whole cached shard of 2 MiB and of
+  64 MiB through a session the first time after its download (its CRC-32 computed and its
+  signature recorded) and later (the signature matches: no CRC), against reading the same file
+  with ``open().read()``; page cache warm, best of 9 interleaved rounds.
 
     .venv/bin/python tools/bench/cache.py
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import os
@@ -50,6 +55,7 @@ import s3fs
 from common import best_rate  # tools/bench/common.py
 
 from nnh_data import ShardedStreamingDataset, streaming_loader
+from nnh_data.cache.files import record_path
 from nnh_data.cache.policy import Plan, choose_victims, next_uses, read_schedule, shard_key
 from nnh_data.cache.store import ShardCache
 from nnh_data.order.epoch import worker_plan
@@ -453,6 +459,60 @@ def _has_mds() -> bool:
     return True
 
 
+def check_figures(sizes: tuple[int, ...] = (2 << 20, 64 << 20), rounds: int = 9) -> dict:
+    """CPU seconds of reading a cached shard of each size the first time after its download
+    (the CRC-32 check) and later (its signature matches), as ratios to a plain read."""
+    out = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for size in sizes:
+            path = f"{folder}/s-{size}.tar"
+            with open(path, "wb") as f:
+                f.write(np.random.default_rng(size).bytes(size))
+            info = ShardInfo(f"file://{path}", "tar", 1, size=size, version="v")
+            cache = ShardCache(f"{folder}/cache-{size}")
+            cache.warm([info])
+            record = record_path(cache.cache_dir, shard_key(info.url, size, info.version))
+            downloaded = Path(record).read_bytes()  # the record a download leaves: no signature
+            time.sleep(0.3)  # a signature is recorded once the file's change time is this old
+
+            def first(cache=cache, info=info, record=record, downloaded=downloaded) -> None:
+                Path(record).write_bytes(downloaded)
+                _read_through(cache, info)
+
+            def plain(path=path) -> None:
+                with open(path, "rb") as f:
+                    f.read()
+
+            reads = {"first": first, "later": functools.partial(_read_through, cache, info),
+                     "plain": plain}  # fmt: skip
+            best = _best_cpu(reads, rounds)
+            mib = size >> 20
+            out[f"first_read_vs_plain_{mib}mib"] = round(best["first"] / best["plain"], 2)
+            out[f"later_read_vs_plain_{mib}mib"] = round(best["later"] / best["plain"], 2)
+            out[f"first_read_ms_{mib}mib"] = round(best["first"] * 1000, 2)
+            out[f"plain_read_ms_{mib}mib"] = round(best["plain"] * 1000, 2)
+    return out
+
+
+def _read_through(cache: ShardCache, info: ShardInfo) -> None:
+    with cache.session(prefetch=0) as session:
+        f = session.open(info)
+        f.seek(0)
+        f.read()
+        session.release(info)
+
+
+def _best_cpu(fns: dict, rounds: int) -> dict[str, float]:
+    """The least CPU seconds of each ``fn()`` over ``rounds`` rounds in which they take turns."""
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            started = time.process_time()
+            fn()
+            best[name] = min(best[name], time.process_time() - started)
+    return best
+
+
 def epoch_figures(result: dict) -> dict:
     """``result`` plus epoch times and GETs through the dataset (moto behind a slow proxy)
     without a cache, with one that fits and at 25% and 50% of the data; seconds to the first
@@ -470,7 +530,7 @@ def epoch_figures(result: dict) -> dict:
 
 
 def main() -> None:
-    result = {**policy_figures(), **decision_figures()}
+    result = {**policy_figures(), **decision_figures(), **check_figures()}
     print(json.dumps(epoch_figures(result)))
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import multiprocessing
 import os
 import sys
 import time
 import traceback
+import zlib
 
 import fsspec
 import numpy as np
@@ -86,6 +88,24 @@ def random_file(path, size: int) -> bytes:
     with open(path, "wb") as f:
         f.write(data)
     return data
+
+
+def damage(cache: ShardCache, url: str, offset: int, data: bytes) -> None:
+    """Overwrite the cached copy of ``url`` at ``offset`` (its size stays) and record the CRC-32
+    of what it holds then: as if the download had brought those bytes, so the copy passes its
+    checks and fails only when it is decoded."""
+    (entry,) = [e for e in cache.entries() if e.url == url]
+    with open(entry.path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+        f.seek(0)
+        crc = zlib.crc32(f.read())
+    record = os.path.join(os.path.dirname(entry.path), f"{entry.key}.json")
+    with open(record) as f:
+        meta = json.load(f)
+    meta.pop("checked", None)
+    with open(record, "w") as f:
+        json.dump({**meta, "crc32": crc}, f)
 
 
 def digest(data: bytes) -> str:

@@ -16,6 +16,7 @@ from nnh_data.cache.store import ShardCache
 from nnh_data.errors import ShardError
 from nnh_data.shards.index import ShardInfo
 from nnh_data.shards.reading import ShardReader, decode_shard_range
+from tests.nnh_data.cache.helpers import damage
 from tests.support import numbered_samples, write_tar
 
 pytestmark = pytest.mark.timeout(60)
@@ -111,13 +112,6 @@ def test_a_cache_without_room_reads_the_remote_and_warns(remote_tar, s3_proxy, t
     assert cache.stats()["files"] == 0 and cache.stats()["around"] > 0
 
 
-def _damage(cache: ShardCache, url: str) -> None:
-    """Overwrite the cached copy's first tar header in place (its size stays)."""
-    (entry,) = [e for e in cache.entries() if e.url == url]
-    with open(entry.path, "r+b") as f:
-        f.write(b"\xff" * 512)
-
-
 def test_a_copy_that_fails_to_decode_is_removed_and_the_block_read_from_the_remote(
     remote_tar, s3_proxy, tmp_path
 ):
@@ -126,7 +120,7 @@ def test_a_copy_that_fails_to_decode_is_removed_and_the_block_read_from_the_remo
     again. A block read from the remote is the shard's own error (False)."""
     cache = ShardCache(tmp_path / "cache")
     _read_all(_pass(cache, remote_tar, s3_proxy), remote_tar)
-    _damage(cache, remote_tar[0].url)
+    damage(cache, remote_tar[0].url, 0, b"\xff" * 512)  # its first tar header
     cached = _pass(cache, remote_tar, s3_proxy)
     blocks = cached.blocks()
     shard, start, stop, _ = next(blocks)
@@ -158,9 +152,7 @@ def test_a_parquet_copy_that_fails_to_read_is_removed_and_the_remote_read(
     _read_all(_pass(cache, infos, s3_proxy), infos)
     (entry,) = [e for e in cache.entries() if e.url == infos[0].url]
     page = pq.read_metadata(entry.path).row_group(0).column(0).data_page_offset
-    with open(entry.path, "r+b") as f:
-        f.seek(page)
-        f.write(b"\xff" * 16)  # row group 0's first page header
+    damage(cache, infos[0].url, page, b"\xff" * 16)  # row group 0's first page header
     got = _read_all(_pass(cache, infos, s3_proxy), infos)
     assert all(_same(payload, want) for (payload, _), want in zip(got, expected, strict=True))
     assert [local for _, local in got] == [False, False, True]  # shard 0's run from the remote

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import stat
 import threading
 import time
 
@@ -72,11 +73,13 @@ def test_a_new_part_is_parsed_back(tmp_path):
 
 
 @pytest.mark.parametrize(("position", "ahead"), [(0, 0), (12, 345), (10**19, 10**19)])
-def test_a_plan_header_has_a_fixed_width(position, ahead):
+@pytest.mark.parametrize("released", [False, True])
+def test_a_plan_header_has_a_fixed_width(position, ahead, released):
     plan_id = secrets.token_hex(4)
-    header = plan_header(position, ahead, plan_id)
+    header = plan_header(position, ahead, plan_id, released)
     assert len(header) == PLAN_HEADER_BYTES and header.endswith(b"\n")
-    assert header.split() == [str(position).encode(), str(ahead).encode(), plan_id.encode()]
+    assert header.split() == [str(position).encode(), str(ahead).encode(), plan_id.encode(),
+                              b"R" if released else b"L"]  # fmt: skip
 
 
 def test_prepare_folder_lays_the_folder_out(tmp_path):
@@ -84,6 +87,85 @@ def test_prepare_folder_lays_the_folder_out(tmp_path):
     assert path == str(tmp_path / "a" / "cache")
     assert sorted(os.listdir(path)) == ["lock", "procs", "shards", "stats", "tmp"]
     assert prepare_folder(path) == path  # again: nothing changes
+    modes = {name: stat.S_IMODE(os.stat(os.path.join(path, name)).st_mode)
+             for name in ["", "lock", "procs", "shards", "stats", "tmp"]}  # fmt: skip
+    assert modes == {"": 0o700, "lock": 0o600, "procs": 0o700, "shards": 0o700, "stats": 0o700,
+                     "tmp": 0o700}  # fmt: skip
+
+
+OTHER_UID = 65534  # nobody
+
+
+def _give(path, uid=OTHER_UID) -> None:
+    os.chown(path, uid, uid)
+
+
+def _made_by_another_user(path) -> None:  # with mode 0777, as the issue found it
+    os.mkdir(path)
+    os.chmod(path, 0o777)
+    _give(path)
+
+
+def _group_writable(path) -> None:
+    os.mkdir(path, 0o700)
+    os.chmod(path, 0o770)
+
+
+def _like_tmp(path) -> None:
+    os.mkdir(path)
+    os.chmod(path, 0o1777)
+
+
+def _another_users_subfolder(path) -> None:
+    prepare_folder(path)
+    os.mkdir(os.path.join(path, "shards", "ab"), 0o700)
+    _give(os.path.join(path, "shards", "ab"))
+
+
+def _another_users_lock(path) -> None:
+    prepare_folder(path)
+    _give(os.path.join(path, "lock"))
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (_made_by_another_user, "belongs to uid 65534"),
+        (_group_writable, "has mode 770, writable by other users"),
+        (_another_users_subfolder, "ab belongs to uid 65534"),
+        (_another_users_lock, "lock belongs to uid 65534"),
+        (_like_tmp, "has mode 1777"),
+    ],
+    ids=["other-user-0777", "group-writable", "other-users-shard-folder", "other-users-lock",
+         "sticky-like-tmp"],
+)
+def test_a_folder_other_users_can_write_is_left_for_a_private_subfolder(tmp_path, make, problem):
+    """As ssh's StrictModes: a cache folder that another user can write (or that holds what they
+    wrote) is not used; its private subfolder ``uid-<uid>`` is, with a warning naming both."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    path = str(tmp_path / "shared")
+    make(path)
+    with pytest.warns(UserWarning, match="can be written by other users") as caught:
+        used = prepare_folder(path)
+    private = os.path.join(path, f"uid-{os.geteuid()}")
+    message = str(caught[0].message)
+    assert used == private and problem in message and private in message
+    assert stat.S_IMODE(os.stat(private).st_mode) == 0o700
+    with pytest.warns(UserWarning, match="can be written by other users"):
+        assert prepare_folder(path) == private  # every time, the same folder
+
+
+def test_a_private_subfolder_another_user_made_is_refused(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    path = tmp_path / "shared"
+    _made_by_another_user(path)
+    private = path / f"uid-{os.geteuid()}"
+    _made_by_another_user(private)
+    with pytest.raises(ValueError, match="cache_dir .* can be written by other users .* and so "
+                                         "can its private subfolder"):  # fmt: skip
+        prepare_folder(path)
 
 
 # ---------------------------------------------------------------- locks and counters

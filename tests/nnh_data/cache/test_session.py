@@ -86,6 +86,37 @@ def test_a_released_plan_lives_for_the_grace_period(tmp_path, monkeypatch):
     assert os.listdir(procs) == []
 
 
+def _plan_and_exit(cache_dir, info, release: bool) -> None:
+    session = ShardCache(cache_dir).session(prefetch=0)
+    session.set_plan([info], [0])
+    if release:
+        session.close()
+    os._exit(0)  # no close at exit: a process that dies holding its plan
+
+
+def test_a_new_plan_removes_the_plans_of_dead_processes_and_expired_ones(tmp_path, monkeypatch):
+    """Publishing a plan scans the others (also when every read is a hit, so no claim does):
+    the plan of a process that died holding it goes at once; a released one stays for the
+    grace period (the next pass's to take over), then goes."""
+    cache = ShardCache(tmp_path / "cache")
+    random_file(tmp_path / "s.tar", 10)
+    info = slow_info(tmp_path / "s.tar")
+    procs = os.path.join(cache.cache_dir, "procs")
+    for release in (True, False):  # (a plan published removes the dead ones)
+        child = FORK.Process(target=_plan_and_exit, args=(cache.cache_dir, info, release))
+        child.start()
+        child.join(30)
+    assert len(os.listdir(procs)) == 2
+    with cache.session(prefetch=0) as session:
+        session.set_plan([info], [0])
+        assert len(os.listdir(procs)) == 2  # the released plan and this one
+    monkeypatch.setattr(cache_store, "PLAN_GRACE_SECONDS", 0.0)
+    time.sleep(0.05)
+    with cache.session(prefetch=0) as session:
+        session.set_plan([info], [0])
+        assert os.listdir(procs) == [os.path.basename(session._plan_path)]
+
+
 # ---------------------------------------------------------------- failures
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from nnh_data.cache import download as cache_download
 from nnh_data.cache import store as cache_store
+from nnh_data.cache.files import signature
 from nnh_data.cache.policy import (
     read_schedule,
     shard_key,
@@ -177,27 +178,146 @@ def test_a_killed_download_leaves_no_entry(tmp_path, monkeypatch, waiter):
     assert [e.url for e in cache.entries()] == ([info.url] if waiter else [])
 
 
-def test_an_earlier_boots_copy_is_checked_before_use(tmp_path):
-    data = [random_file(tmp_path / f"s{i}.tar", 5000) for i in range(2)]
-    infos = [slow_info(tmp_path / f"s{i}.tar") for i in range(2)]
+def _records(cache: ShardCache) -> dict[str, tuple[str, dict]]:
+    """url -> (record path, record) of each cached shard."""
+    out = {}
+    for entry in cache.entries():
+        path = os.path.join(os.path.dirname(entry.path), f"{entry.key}.json")
+        with open(path) as f:
+            out[entry.url] = (path, json.load(f))
+    return out
+
+
+def _checked_copies(tmp_path, monkeypatch, count: int = 2):
+    """``count`` shards downloaded, then read once with their content checked and its
+    signature recorded (no time slack: the test's writes come later)."""
+    monkeypatch.setattr(cache_store, "_MTIME_SLACK_NS", 0)
+    data = [random_file(tmp_path / f"s{i}.tar", 5000 + i) for i in range(count)]
+    infos = [slow_info(tmp_path / f"s{i}.tar") for i in range(count)]
     cache = ShardCache(tmp_path / "cache")
     cache.warm(infos)
-    for entry in cache.entries():  # as after a crash: an earlier boot, unsynced content
-        record = os.path.join(os.path.dirname(entry.path), f"{entry.key}.json")
-        meta = json.loads(open(record).read())
-        open(record, "w").write(json.dumps({**meta, "boot_id": "an-earlier-boot"}))
-        if entry.url == infos[0].url:
-            with open(entry.path, "r+b") as f:
-                f.write(b"\0" * 4096)
+    time.sleep(0.01)
     with cache.session() as session:
         assert [read_shard(session, info) for info in infos] == data
-    assert cache.stats()["downloads"] == 3 and cache.stats()["hits"] == 1  # s0 fetched again
+    assert all("checked" in meta for _, meta in _records(cache).values())
+    return cache, infos, data
+
+
+def _crc_counted(monkeypatch) -> list[int]:
+    calls = []
+    real = cache_store.file_crc
+    monkeypatch.setattr(cache_store, "file_crc", lambda fd: calls.append(fd) or real(fd))
+    return calls
+
+
+def test_a_checked_copy_is_read_without_reading_it_twice(tmp_path, monkeypatch):
+    """Once a copy's content matched its record, every process skips the CRC while the file's
+    signature (boot, inode, size, times) stays."""
+    cache, infos, data = _checked_copies(tmp_path, monkeypatch)
+    crcs = _crc_counted(monkeypatch)
+    with cache.session() as session:
+        assert [read_shard(session, info) for info in infos] == data
+    assert crcs == [] and cache.stats()["hits"] == 4 and cache.verify() == []
+
+
+@pytest.mark.parametrize("keep_mtime", [True, False])
+def test_a_copy_overwritten_with_bytes_of_its_size_is_downloaded_again(
+    tmp_path, monkeypatch, keep_mtime
+):
+    """Other bytes of the same size written over a checked copy (its modification time set
+    back, or not): the next read finds the CRC-32 changed, warns naming the shard, and reads
+    the remote's bytes; the other copy is a hit."""
+    cache, infos, data = _checked_copies(tmp_path, monkeypatch)
+    (victim,) = [e for e in cache.entries() if e.url == infos[0].url]
+    before = os.stat(victim.path)
+    with open(victim.path, "r+b") as f:
+        f.write(b"\0" * 100)
+    if keep_mtime:
+        os.utime(victim.path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with cache.session() as session, pytest.warns(UserWarning) as caught:
+        assert [read_shard(session, info) for info in infos] == data
+    (warning,) = caught
+    assert "changed since it was downloaded" in str(warning.message)
+    assert infos[0].url in str(warning.message)
+    assert cache.stats()["downloads"] == 3 and cache.stats()["hits"] == 3
+    assert cache.verify() == []
+
+
+def test_verify_reads_every_copy_whatever_its_signature(tmp_path, monkeypatch):
+    """A change the signature cannot show (here: the record's signature rewritten after it, as
+    for bytes changed under the file system) is found by verify, which computes every CRC."""
+    cache, infos, _ = _checked_copies(tmp_path, monkeypatch)
+    (victim,) = [e for e in cache.entries() if e.url == infos[0].url]
+    with open(victim.path, "r+b") as f:
+        f.write(b"\0" * 100)
+    path, meta = _records(cache)[infos[0].url]
+    with open(path, "w") as f:
+        json.dump({**meta, "checked": signature(os.stat(victim.path))}, f)
+    (problem,) = cache.verify()
+    assert victim.path in problem and "changed since it was downloaded" in problem
+    assert [e.url for e in cache.entries()] == [infos[1].url]
+
+
+def test_an_earlier_boots_copy_is_checked_before_use(tmp_path, monkeypatch):
+    """After a restart (shards are not fsynced) every copy's CRC is computed again: a copy that
+    lost bytes is downloaded again without a warning (a crash, not a writer), the others are
+    hits and their signature is renewed; a truncated copy is found by verify."""
+    cache, infos, data = _checked_copies(tmp_path, monkeypatch)
+    for url, (path, meta) in _records(cache).items():  # as after a crash: an earlier boot
+        earlier = ["an-earlier-boot", *meta["checked"][1:]]
+        with open(path, "w") as f:
+            json.dump({**meta, "boot_id": earlier[0], "checked": earlier}, f)
+        if url == infos[0].url:
+            (entry,) = [e for e in cache.entries() if e.url == url]
+            with open(entry.path, "r+b") as f:
+                f.write(b"\0" * 4096)
+            os.utime(entry.path, ns=(0, os.stat(entry.path).st_mtime_ns))
+    crcs = _crc_counted(monkeypatch)
+    with cache.session() as session, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [read_shard(session, info) for info in infos] == data
+    assert len(crcs) == 2  # each copy once
+    assert cache.stats()["downloads"] == 3 and cache.stats()["hits"] == 3  # s0 fetched again
     assert cache.verify() == []
     entry = cache.entries()[0]
     with open(entry.path, "r+b") as f:
         f.truncate(100)
     (problem,) = cache.verify()
     assert "size 100" in problem and len(cache.entries()) == 1
+
+
+OTHER_UID = 65534  # nobody
+
+
+@pytest.mark.parametrize(
+    ("what", "change"),
+    [
+        ("shard", lambda path: os.chown(path, OTHER_UID, OTHER_UID)),
+        ("shard", lambda path: os.chmod(path, 0o666)),
+        ("record", lambda path: os.chown(path, OTHER_UID, OTHER_UID)),
+        ("record", lambda path: os.chmod(path, 0o646)),
+    ],
+    ids=["shard-of-another-user", "shard-writable-by-all", "record-of-another-user",
+         "record-writable-by-others"],
+)
+def test_a_copy_another_user_can_have_written_is_not_read(tmp_path, monkeypatch, what, change):
+    """A shard or record that belongs to another user, or that others can write, is removed
+    and the shard downloaded again, even when its content matches."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    cache, infos, data = _checked_copies(tmp_path, monkeypatch, count=1)
+    (entry,) = cache.entries()
+    record = os.path.join(os.path.dirname(entry.path), f"{entry.key}.json")
+    change(entry.path if what == "shard" else record)
+    with cache.session() as session, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert read_shard(session, infos[0]) == data[0]
+    assert cache.stats()["downloads"] == 2
+    (warning,) = caught
+    reason = "cannot be trusted" if what == "shard" else "has no record of its own"
+    assert reason in str(warning.message)
+    status = os.stat(cache.entries()[0].path)
+    assert status.st_uid == os.geteuid() and not status.st_mode & 0o022
 
 
 def test_the_disk_caps_the_limit(tmp_path, monkeypatch):
