@@ -106,16 +106,18 @@ def _decode_unsendable(sample: dict) -> dict:
     return {**sample, "value": _Lock() if sample["__key__"] == UNSENDABLE else None}
 
 
+def _unsendable_loader(batched: bool, context: str, shard: Path):
+    ds = ShardedStreamingDataset(build_shard_index(str(shard)), decode=_decode_unsendable)
+    if batched:
+        return streaming_loader(ds, 4, 2, multiprocessing_context=context)
+    return DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 @pytest.mark.parametrize("batched", [False, True], ids=["per-sample", "batches"])
 def test_a_batch_a_worker_cannot_send_raises_naming_the_sample(batched, context, shard):
-    ds = ShardedStreamingDataset(build_shard_index(str(shard)), decode=_decode_unsendable)
-    if batched:
-        loader = streaming_loader(ds, 4, 2, multiprocessing_context=context)
-    else:  # each sample sent alone
-        loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
-    with pytest.raises(UnsendableError) as raised:
-        _keys(loader)
+    with pytest.raises(UnsendableError) as raised:  # the loader lives in _keys alone
+        _keys(_unsendable_loader(batched, context, shard))
     message = str(raised.value)
     assert "worker" in message and f"'{UNSENDABLE}'" in message and str(shard) in message
     assert "_thread.lock" in message
@@ -129,8 +131,7 @@ def _collate_raising_a_local_error(samples: list) -> None:
 
 
 def test_an_exception_a_worker_cannot_send_raises_in_the_main_process(shard):
-    index = build_shard_index(str(shard))
-    ds = ShardedStreamingDataset(index)
-    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=_collate_raising_a_local_error)
+    ds = ShardedStreamingDataset(build_shard_index(str(shard)))
     with pytest.raises(UnsendableError, match=r"(?s)worker \d.*Unpicklable.*failed on 'k\d{4}'"):
-        _keys(loader)
+        _keys(DataLoader(ds, batch_size=4, num_workers=2,
+                         collate_fn=_collate_raising_a_local_error))  # fmt: skip
