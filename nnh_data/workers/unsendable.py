@@ -53,7 +53,7 @@ def _on_feeder_error(queue: multiprocessing.queues.Queue, error: Exception, item
     stateful = _in_torchdata_loop()
     data = payload[0] if stateful else payload
     if isinstance(data, ExceptionWrapper) and data.exc_type is UnsendableError:
-        return _original(error, item)  # cannot happen: its fields are a class and strings
+        return _original(error, item)  # never replace a replacement (no loop)
     wrapped = _wrapped(_message(info.id, error, data), error, info.id)
     _put_first(queue, (idx, (wrapped, info.id, None) if stateful else wrapped))
 
