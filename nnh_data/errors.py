@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from nnh_data.audit.epoch_audit import AuditReport
 
-__all__ = ["ExactlyOnceError", "NNHError", "ShardError", "StaleIndexError", "TarFormatError"]
+__all__ = [
+    "ExactlyOnceError",
+    "NNHError",
+    "ShardError",
+    "StaleIndexError",
+    "TarFormatError",
+    "UnsendableError",
+]
 
 
 class NNHError(Exception):
@@ -62,6 +69,11 @@ class TarFormatError(NNHError, ValueError):
 
     def __str__(self) -> str:
         return f"{self.reason} at byte {self.offset}"
+
+
+class UnsendableError(NNHError, RuntimeError):
+    """A batch or an exception that a DataLoader worker could not send to the main process (it
+    does not pickle), raised there; the message names the worker, the shard and the sample."""
 
 
 class ExactlyOnceError(NNHError, RuntimeError):

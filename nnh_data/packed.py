@@ -5,9 +5,12 @@ worker to the main process as a list, each is pickled, copied and rebuilt as an 
 the values lie back to back in one ``uint8`` tensor (``data``) with ``offsets`` (int64, one more
 than the values: value ``i`` is ``data[offsets[i]:offsets[i + 1]]``), so a batch's field crosses
 the worker queue as one buffer, and the main process builds nothing per sample until a value is
-asked for. Text is stored as UTF-8. A missing value (``None``) is an empty slot marked in
-``valid``. The type reads like the list it replaces: ``len``, indexing (an int gives the value,
-a slice a ``PackedField``), iteration, ``tolist()``, and ``==`` against a list.
+asked for. Text is stored as UTF-8, a lone surrogate as ``"surrogatepass"`` writes it, so every
+``str`` comes back as it went in (a tar member name that is not UTF-8 gives a key with
+surrogates, as in Python's ``tarfile``, and pickle sends such keys the same way). A missing
+value (``None``) is an empty slot marked in ``valid``. The type reads like the list it
+replaces: ``len``, indexing (an int gives the value, a slice a ``PackedField``), iteration,
+``tolist()``, and ``==`` against a list.
 
 >>> names = PackedField.pack(["cat", "dog", None])
 >>> len(names), names[1], names.tolist()
@@ -35,6 +38,7 @@ _ARROW_KINDS = {pa.binary(): "bytes", pa.large_binary(): "bytes", pa.binary_view
 _VIEWS = {pa.binary(): pa.binary_view(), pa.large_binary(): pa.binary_view(),
           pa.string(): pa.string_view(), pa.large_string(): pa.string_view()}  # fmt: skip
 _PACKED = {"bytes": pa.large_binary(), "str": pa.large_string()}  # what views are packed as
+_TEXT_ERRORS = "surrogatepass"  # lone surrogates (keys of names that are not UTF-8) round-trip
 
 
 class PackedField:
@@ -167,7 +171,7 @@ class PackedField:
             return None
         bounds = self._offsets_list()
         value = self._bytes()[bounds[i] : bounds[i + 1]].tobytes()
-        return value.decode() if self.kind == "str" else value
+        return value.decode("utf-8", _TEXT_ERRORS) if self.kind == "str" else value
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.tolist())
@@ -188,7 +192,7 @@ class PackedField:
         else:
             values = list(map(raw.__getitem__, cuts))
             if self.kind == "str":
-                values = [v.decode() for v in values]
+                values = [v.decode("utf-8", _TEXT_ERRORS) for v in values]
         if self.valid is not None:
             for i in np.flatnonzero(~self.valid.numpy()).tolist():
                 values[i] = None
@@ -267,7 +271,7 @@ def _joined_text(values: list) -> tuple[bytearray, Iterator[int]]:
         raise TypeError(_mixed(values, str)) from None
     if text.isascii():  # one encode for the whole batch
         return bytearray(text, "ascii"), map(len, values)
-    pieces = [v.encode() for v in values]
+    pieces = [v.encode("utf-8", _TEXT_ERRORS) for v in values]
     return bytearray().join(pieces), map(len, pieces)
 
 

@@ -18,6 +18,7 @@ BASES = {
     "StaleIndexError": RuntimeError,
     "TarFormatError": ValueError,
     "ExactlyOnceError": RuntimeError,
+    "UnsendableError": RuntimeError,
     "CheckpointError": RuntimeError,
     "RunDirLockedError": RuntimeError,
     "WorkerError": RuntimeError,

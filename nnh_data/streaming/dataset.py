@@ -50,6 +50,7 @@ from nnh_data.streaming.error_policy import ON_ERROR, ErrorPolicy
 from nnh_data.streaming.pipeline import Parameters, Pipeline
 from nnh_data.streaming.stats import DataStats
 from nnh_data.topology import dist_info, worker_info
+from nnh_data.workers.unsendable import guard_worker_queue
 
 __all__ = ["ShardedStreamingDataset", "merge_states", "state_from_loader", "streaming_dataset_of"]
 
@@ -309,6 +310,7 @@ class ShardedStreamingDataset(IterableDataset):
         # Resolved here, not in the generator: StatefulDataLoader snapshots the state right
         # after iter(), before the first item is requested.
         worker, num_workers = worker_info()
+        guard_worker_queue()  # before the worker's first item: what it cannot send is raised
         run, plan = self._state.start(worker, num_workers, self.data_stats.meter(self.cache))
         self._check_precomputed()
         upcoming = None if self.cache is None else self._state.upcoming(worker, num_workers)

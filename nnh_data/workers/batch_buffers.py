@@ -37,7 +37,7 @@ from multiprocessing.reduction import DupFd
 import numpy as np
 import torch
 
-from nnh_data.workers.shm_ring import process_alive
+from nnh_data.workers.shm_ring import process_alive, when_released
 
 __all__ = ["BUFFERS", "MIN_BYTES", "LocalBuffers", "Pool", "batch_tensor", "placed", "rebuild"]
 
@@ -308,6 +308,7 @@ def _register(token: tuple[int, int], flags: torch.Tensor, returns: DupFd) -> No
     array = flags.numpy()
     _received[token] = _Returns(fd), array, {}
     array[0] = 1
+    when_released(token[0], _forget, token)
 
 
 def _give_back(token: tuple[int, int], number: int) -> None:

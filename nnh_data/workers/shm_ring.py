@@ -20,16 +20,26 @@ from __future__ import annotations
 
 import itertools
 import math
+import multiprocessing
 import os
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from multiprocessing import util
 from multiprocessing.reduction import DupFd
+from typing import Any
 
 import numpy as np
 import torch
 
 __all__ = [
-    "MAX_SLOT_BYTES", "SLOTS", "Ring", "footprint", "process_alive", "rebuild", "worker_ring",
+    "MAX_SLOT_BYTES",
+    "SLOTS",
+    "Ring",
+    "footprint",
+    "process_alive",
+    "rebuild",
+    "when_released",
+    "worker_ring",
 ]
 
 SLOTS = 6  # batches of one worker in flight: the loader's prefetch (2 by default) and more
@@ -127,6 +137,23 @@ def _register(token: tuple[int, int], tensor: torch.Tensor, returns: DupFd) -> N
     ring = tensor.numpy()
     _received[token] = ring, fd
     ring[0] = 1
+    when_released(pid, _forget, token)
+
+
+def _forget(token: tuple[int, int]) -> None:
+    entry = _received.pop(token, None)
+    if entry is not None:
+        os.close(entry[1])
+
+
+def when_released(pid: int, forget: Callable[..., None], *args: Any) -> None:
+    """Call ``forget(*args)`` once this process has let go of its child ``pid`` (the loader
+    that started that worker is gone and the worker has been reaped), so that an ended
+    worker's shared memory and pipe are not held until the next worker sends some; nothing
+    when ``pid`` is not a child of this process."""
+    child = next((p for p in multiprocessing.active_children() if p.pid == pid), None)
+    if child is not None:
+        weakref.finalize(child, forget, *args).atexit = False
 
 
 def process_alive(pid: int) -> bool:

@@ -52,6 +52,21 @@ def test_packed_values_read_like_the_list(values, start, stop):
         assert packed.data.dtype == torch.uint8 and packed.offsets.dtype == torch.int64
 
 
+surrogates = st.lists(st.one_of(st.none(), st.text(st.characters(categories=["Cs", "Ll", "Nd"]),
+                                                   max_size=6)), max_size=12)  # fmt: skip
+
+
+@given(surrogates)
+def test_text_with_lone_surrogates_comes_back_as_it_went_in(values):
+    """Keys of tar names that are not UTF-8 hold lone surrogates (as ``tarfile`` decodes them):
+    packed, indexed, sliced and pickled, they are the same strings."""
+    kept = PackedField.pack(values)
+    packed = PackedField(kept.data, kept.offsets, kept.kind, kept.valid)
+    for field in (kept, packed, pickle.loads(pickle.dumps(kept))):
+        assert field.tolist() == values and [field[i] for i in range(len(values))] == values
+        assert field[1:].tolist() == values[1:]
+
+
 def test_kinds_values_and_errors():
     names = PackedField.pack(["cat", "é", None])
     assert names.kind == "str" and names[1] == "é" and names[2] is None

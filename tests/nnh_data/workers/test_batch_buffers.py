@@ -276,14 +276,21 @@ def test_batches_kept_by_the_loop_stay_as_they_were(tar_shards, context):
 @pytest.mark.timeout(240)
 def test_a_worker_reuses_a_few_buffers(tar_shards, monkeypatch):
     urls = tar_shards([200, 200, 200], size=8)
-    before = set(batch_buffers._received)
-    rebuilt, rebuild = [], batch_buffers.rebuild
-    monkeypatch.setattr(batch_buffers, "rebuild", lambda *a: rebuilt.append(a) or rebuild(*a))
+    rebuilt, pools, rebuild = [], {}, batch_buffers.rebuild
+
+    def counted(*args):  # the worker's buffers this process holds after each batch
+        rebuilt.append(args)
+        tensor = rebuild(*args)
+        pools[args[0]] = len(batch_buffers._received[args[0]][2])
+        return tensor
+
+    monkeypatch.setattr(batch_buffers, "rebuild", counted)
     got = _batches(urls, 2, "fork", keep=False)
     assert len(got) > 2 * batch_buffers.BUFFERS + 2
-    pools = [entry[2] for token, entry in batch_buffers._received.items() if token not in before]
-    assert pools and all(len(buffers) <= batch_buffers.BUFFERS for buffers in pools)
+    assert pools and all(n <= batch_buffers.BUFFERS for n in pools.values())
     assert len(rebuilt) > len(pools) * batch_buffers.BUFFERS  # more batches than buffers
+    gc.collect()  # the loader and its workers' handles
+    assert not set(pools) & set(batch_buffers._received)  # let go of with the loader
 
 
 def decode_image_only(sample: dict) -> dict:
