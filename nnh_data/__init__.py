@@ -18,7 +18,7 @@ from nnh_data.augment import (
     stream_distributed_augmentation_chain,
 )
 from nnh_data.cache import CacheEntry, ShardCache
-from nnh_data.errors import NNHError
+from nnh_data.errors import NNHError, UnsendableError
 from nnh_data.images import SampleDecoder, decode_crop
 from nnh_data.loaders import (
     RankCache,
@@ -84,6 +84,7 @@ __all__ = [
     "SharedEpochDataset",
     "Source",
     "StaleIndexError",
+    "UnsendableError",
     "apply_augmentation",
     "build_shard_index",
     "create_distributed_loader",

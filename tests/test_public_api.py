@@ -37,6 +37,7 @@ BEFORE = {
         "SharedEpochDataset",
         "Source",
         "StaleIndexError",
+        "UnsendableError",
         "apply_augmentation",
         "build_shard_index",
         "create_distributed_loader",
