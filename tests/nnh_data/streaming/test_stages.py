@@ -270,3 +270,31 @@ def test_decoding_hands_out_what_the_plain_loop_does(parts, bad, skip, timing):
         runs.append((got, [label["__index__"] for label in skipped], progress.handed_out()))
     assert runs[0] == runs[1]
     assert bool(timed) == (timing and any(k is not None for part in parts for k in part))
+
+
+@pytest.mark.parametrize("slice_size", [7, 10**6])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_samples_built_in_slices_are_the_stream_built_whole(tar_shards, monkeypatch, mixed,
+                                                            slice_size):  # fmt: skip
+    """A per-sample pass builds its samples a slice at a time (``_SLICE``): the samples, their
+    order and parameters, what a decode is given and the resume state are those of slices of
+    any other size."""
+    from nnh_data import ShardedStreamingDataset, Source
+
+    urls = tar_shards([700, 0, 650, 333], size=8)
+    two = [Source(urls[:2], weight=1.0, name="a"), Source(urls[2:], weight=2.0, name="b")]
+
+    def seen(sample: dict) -> tuple:
+        return sample["__key__"], sample["__index__"], sample.get("__source__"), sample["__aug__"]
+
+    def stream() -> tuple[list, dict]:
+        ds = ShardedStreamingDataset(two if mixed else urls, seed=5, shuffle_window=600,
+                                     epoch_size=1700, decode=seen)  # fmt: skip
+        it = iter(ds)
+        head = [next(it) for _ in range(611)]
+        state = ds.state_dict()
+        return head + list(it), state
+
+    expected = stream()
+    monkeypatch.setattr(stages, "_SLICE", slice_size)
+    assert stream() == expected
