@@ -176,12 +176,15 @@ _NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, tor
                            torch.int64, torch.float16, torch.float32, torch.float64})  # fmt: skip
 
 
+_NONE_TYPE = type(None)
+
+
 def _nullable(collate_fn: Callable) -> Callable:
     """``collate_fn``, except that a column holding a ``None`` stays the list of its values
     (a nullable column: ``default_collate`` cannot make a tensor of it)."""
 
     def collate_column(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
-        if any(value is None for value in batch):
+        if _NONE_TYPE in map(type, batch):  # in C: ``value is None`` is a frame step a value
             return list(batch)
         return collate_fn(batch, collate_fn_map=collate_fn_map)
 
