@@ -209,6 +209,8 @@ def write_mosaic(samples, folder: str, per_shard: int) -> None:
     with MDSWriter(out=folder, columns=columns, size_limit=size * per_shard + 64) as out:
         for sample in itertools.chain([first], samples):
             out.write({k: v for k, v in sample.items() if k in columns})
+    for name in [n for n in sys.modules if n.split(".")[0] in ("torchvision", "transformers")]:
+        del sys.modules[name]  # the stubs: ``datasets`` (writing Parquet next) looks for them
 
 
 def write_parquet(samples, folder: str, per_shard: int) -> None:
