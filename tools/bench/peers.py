@@ -1,14 +1,15 @@
-"""Benchmark: nnh against LitData, MosaicML Streaming and WebDataset, as their users run them.
+"""Benchmark: nnh against LitData, MosaicML Streaming, WebDataset and Hugging Face datasets.
 
 Prints one JSON object. Every system reads the same samples written by its own writer
 (``nnh_data.write_shards`` tar, LitData's ``BinaryWriter`` chunks, ``streaming.MDSWriter``
-shards, ``webdataset.ShardWriter`` tar); the nnh tar is also read by WebDataset
-(``webdataset_on_nnh_tar``) and the ShardWriter tar by nnh (``nnh_on_wds_tar``). Each system
+shards, ``webdataset.ShardWriter`` tar, ``datasets``' ``to_parquet``); the nnh tar is also read
+by WebDataset (``webdataset_on_nnh_tar``), the ShardWriter tar by nnh (``nnh_on_wds_tar``) and
+the ``datasets`` Parquet by nnh (``nnh_on_parquet``, compared with ``datasets``). Each system
 is one function (:func:`nnh_loader`, :func:`litdata_loader`, ...) that builds the loader its
 user writes: shuffled batches of 256 through its own loader (nnh: ``streaming_loader``;
 LitData: ``StreamingDataLoader``; the others: ``torch.utils.data.DataLoader``), with a
 per-sample function applied the way the system offers (nnh ``decode=``, LitData
-``transform=``, MosaicML a ``__getitem__`` override, WebDataset ``.map``).
+``transform=``, MosaicML a ``__getitem__`` override, WebDataset and ``datasets`` ``.map``).
 
 What is measured, per run, each run a fresh process (so every run pays its first-time costs,
 as a training job does), the systems taking turns within a round and the first system
@@ -53,6 +54,8 @@ and transformers names that ``import streaming`` touches (nothing here uses them
     .venv/bin/python tools/bench/peers.py [--samples 100000] [--images 6000] [--rounds 3]
         [--cases small,fn,jpeg,first_batch] [--systems nnh,litdata,mosaic,webdataset]
         [--workers 0,2] [--data-dir DIR] [--mosaic-path DIR] [--before DIR]
+    .venv/bin/python tools/bench/peers.py --cases hf  # nnh_on_parquet vs datasets, and
+        # ``exact``: every sample once and equal batches per rank at 2 and 3 ranks (issue 33)
 """
 
 from __future__ import annotations
