@@ -52,7 +52,7 @@ project's environment), and pass ``--mosaic-path DIR``; this script stubs the fe
 and transformers names that ``import streaming`` touches (nothing here uses them).
 
     .venv/bin/python tools/bench/peers.py [--samples 100000] [--images 6000] [--rounds 3]
-        [--cases small,fn,jpeg,first_batch] [--systems nnh,litdata,mosaic,webdataset]
+        [--cases small,fn,jpeg,first_batch] [--systems nnh,litdata,datasets,mosaic,webdataset]
         [--workers 0,2] [--data-dir DIR] [--mosaic-path DIR] [--before DIR]
     .venv/bin/python tools/bench/peers.py --cases hf  # nnh_on_parquet vs datasets, and
         # ``exact``: every sample once and equal batches per rank at 2 and 3 ranks (issue 33)
@@ -670,7 +670,7 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=6_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--systems", default="nnh,litdata,mosaic,webdataset")
+    parser.add_argument("--systems", default=None)  # all but nnh_before; --cases hf: its two
     parser.add_argument("--workers", default="0,2")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--mosaic-path", default=None)
@@ -685,11 +685,12 @@ def main() -> None:
         system, world, workers, folder = args.exact
         print(json.dumps(run_exact(system, int(world), int(workers), folder)))
         return
-    args.cases, args.systems = args.cases.split(","), args.systems.split(",")
+    args.cases = args.cases.split(",")
     if "hf" in args.cases:  # the Hugging Face datasets rows: nnh on its Parquet, and exactness
         args.cases = [c for c in args.cases if c != "hf"] + ["exact"]
         args.cases += [] if "small" in args.cases else ["small"]
-        args.systems += [s for s in ("nnh_on_parquet", "datasets") if s not in args.systems]
+        args.systems = args.systems or "nnh_on_parquet,datasets"
+    args.systems = (args.systems or "nnh,litdata,datasets,mosaic,webdataset").split(",")
     args.workers = [int(w) for w in args.workers.split(",")]
     if args.before:
         args.systems.append("nnh_before")
