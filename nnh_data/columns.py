@@ -44,6 +44,7 @@ __all__ = [
     "constant",
     "cut",
     "num_rows",
+    "arrow_of",
     "one_array",
     "rows_of",
     "take",
@@ -116,7 +117,7 @@ def constant(value: Any, rows: int) -> Column:
     (['a.tar', 'a.tar', 'a.tar'], [7, 7])
     """
     if isinstance(value, str):
-        keys = np.zeros(rows, np.int32)
+        keys = arrow_of(np.zeros(rows, np.int32))
         return pa.DictionaryArray.from_arrays(keys, _one_value(value), safe=False)
     return [value] * rows
 
@@ -124,7 +125,19 @@ def constant(value: Any, rows: int) -> Column:
 @functools.lru_cache(maxsize=256)
 def _one_value(text: str) -> pa.Array:
     """The dictionary of :func:`constant` (a shard's URL labels each of its blocks)."""
-    return pa.array([text], pa.string())
+    data = text.encode()
+    offsets = np.array([0, len(data)], np.int32)
+    return pa.Array.from_buffers(pa.string(), 1, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+def arrow_of(values: np.ndarray) -> pa.Array:
+    """A 1-d numpy array of numbers as an Arrow array over its memory. Not ``pa.array``: its
+    first call in a process imports pandas (0.2 s of CPU and tens of MB in every DataLoader
+    worker; so does ``Array.to_numpy``)."""
+    values = np.ascontiguousarray(values)
+    assert values.dtype.kind in "iuf", values.dtype
+    kind = pa.from_numpy_dtype(values.dtype)
+    return pa.Array.from_buffers(kind, values.size, [None, pa.py_buffer(values)])
 
 
 def take(columns: Columns, indices: np.ndarray) -> Columns:
@@ -137,7 +150,7 @@ def take(columns: Columns, indices: np.ndarray) -> Columns:
         elif isinstance(col, np.ndarray):
             out[name] = col[indices]
         elif isinstance(col, ARROW):  # the indices made an Arrow array once, for every column
-            arrow_indices = pa.array(indices) if arrow_indices is None else arrow_indices
+            arrow_indices = arrow_of(indices) if arrow_indices is None else arrow_indices
             out[name] = _arrow_rows(col, indices, arrow_indices)
         else:
             positions = indices.tolist() if positions is None else positions
@@ -158,11 +171,17 @@ def _arrow_rows(
     kind = column.type
     if pa.types.is_dictionary(kind):  # its keys taken (by numpy unless one is null)
         keys = column.indices
-        taken = keys.take(indices) if keys.null_count else keys.to_numpy()[indices]
+        taken = keys.take(arrow_indices) if keys.null_count else arrow_of(_numpy_of(keys)[indices])
         return pa.DictionaryArray.from_arrays(taken, column.dictionary, safe=False)
     if is_view(kind):  # Arrow has no take for views
         return _view_rows(column, indices)
     return pc.call_function("take", [column, arrow_indices])
+
+
+def _numpy_of(keys: pa.Array) -> np.ndarray:
+    """An integer Arrow array without nulls as a numpy view (see :func:`arrow_of`)."""
+    dtype = np.dtype(keys.type.to_pandas_dtype())
+    return np.frombuffer(keys.buffers()[1], dtype, len(keys), keys.offset * dtype.itemsize)
 
 
 _VIEW = np.dtype((np.void, 16))  # one value of a binary_view or string_view array

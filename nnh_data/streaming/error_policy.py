@@ -145,16 +145,21 @@ class ErrorPolicy:
         try:
             return decode(item)
         except Exception as exc:
-            shards, keys = item["__shard__"], item["__key__"]
-            single = isinstance(keys, str)
-            url, key = (shards, keys) if single else (shards[0], keys[0])
-            error = ShardError(url, f"sample {key!r}", f"decode raised {exc!r}")
-            if self.on_error == "raise":
-                raise error from exc
-            self.skip(error)
-            for shard in [shards] if single else shards:
-                self.count(self._number[shard])
-            return LEFT_OUT
+            return self.decode_failed(item, exc)
+
+    def decode_failed(self, item: Any, exc: Exception) -> Any:
+        """What ``decode(item)`` raising ``exc`` becomes: a ``ShardError`` naming the shard and
+        key (raised), or, skipping, ``LEFT_OUT`` (the item's samples counted)."""
+        shards, keys = item["__shard__"], item["__key__"]
+        single = isinstance(keys, str)
+        url, key = (shards, keys) if single else (shards[0], keys[0])
+        error = ShardError(url, f"sample {key!r}", f"decode raised {exc!r}")
+        if self.on_error == "raise":
+            raise error from exc
+        self.skip(error)
+        for shard in [shards] if single else shards:
+            self.count(self._number[shard])
+        return LEFT_OUT
 
 
 def _unreadable(like: Columns, n: int) -> Columns:

@@ -23,7 +23,7 @@ import numpy as np
 
 from nnh_data.augment.params import AugmentationConfig, gen_augmentation_params_batch
 from nnh_data.cache.store import ShardCache
-from nnh_data.columns import num_rows, without_arrow
+from nnh_data.columns import Columns, num_rows, without_arrow
 from nnh_data.order.epoch import Intervals, WorkerPlan
 from nnh_data.order.mixing import MixedOrder, SourceDraws, source_seed
 from nnh_data.precompute.read import PrecomputedParams
@@ -147,10 +147,9 @@ class Pipeline:
                 self.readers, mixed, plan, upcoming, kind, run.num_workers, run.meter), params)
         if rows:
             return stages.hand_out_rows(parts, run.progress, self.skipped)
-        finish = functools.partial(self._finish, run)
         if self.batch_size is None:
-            finish = None if self.decode is None else finish
-            return stages.hand_out_samples(parts, run.progress, finish, self.skipped)
+            return stages.hand_out_samples(parts, run.progress, self._decoding(run), self.skipped)
+        finish = functools.partial(self._finish, run)
         return stages.hand_out_batches(parts, self.batch_size, run.progress, finish)
 
     def labels(self, epoch: int, plan: WorkerPlan | GlobalPlan) -> Iterator[dict[str, np.ndarray]]:
@@ -197,25 +196,32 @@ class Pipeline:
         run.meter.add(PARAMS_NS, time.perf_counter_ns() - began)
         return columns
 
-    def _finish(self, run: Pass, item: Any) -> Any:
-        """The item as handed out: rows skipped as unreadable dropped (batches), ``decode``
-        applied (a batch without it as tensors and packed fields,
+    def _decoding(self, run: Pass) -> stages.Decoding | None:
+        """How a per-sample pass applies ``decode``: as it is (no wrapper per sample), timed in
+        the parts the pass's meter samples, its errors under the error policy."""
+        if self.decode is None:
+            return None
+        timed = functools.partial(self._timed, run, self.decode)
+        return stages.Decoding(self.decode, self.errors.decode_failed, timed,
+                               lambda: run.meter.timing)  # fmt: skip
+
+    def _finish(self, run: Pass, item: Columns) -> Any:
+        """A batch as handed out: rows skipped as unreadable dropped, ``decode`` applied under
+        the error policy (a batch without it as tensors and packed fields,
         :mod:`nnh_data.workers.handoff`); ``LEFT_OUT`` when nothing is left."""
-        if self.batch_size is None:
-            return self._decoded(run, item, 1)
         if (item := self.errors.readable(item)) is LEFT_OUT:
             return LEFT_OUT
         if self.decode is None:
             return tensor_columns(item)
-        return handed_out(self._decoded(run, without_arrow(item), num_rows(item)))
+        decode = functools.partial(self.errors.decoded, self.decode)
+        item, rows = without_arrow(item), num_rows(item)
+        return handed_out(self._timed(run, decode, item, rows) if run.meter.timing else
+                          decode(item))  # fmt: skip
 
-    def _decoded(self, run: Pass, item: Any, items: int) -> Any:
-        """``decode`` applied to ``item`` (of ``items`` rows), timed in the parts the pass's
-        meter samples."""
-        if not run.meter.timing:
-            return self.errors.decoded(self.decode, item)
+    def _timed(self, run: Pass, decode: Callable[[Any], Any], item: Any, items: int = 1) -> Any:
+        """``decode(item)``, its time added to the pass's meter (``item`` holds ``items``)."""
         began = time.perf_counter_ns()
-        item = self.errors.decoded(self.decode, item)
+        item = decode(item)
         run.meter.decoded(time.perf_counter_ns() - began, items)
         return item
 

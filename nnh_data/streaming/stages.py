@@ -26,6 +26,8 @@ A window's samples are handed out from a stack, so counting costs nothing per sa
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import chain, compress, islice, repeat
@@ -49,6 +51,7 @@ from nnh_data.order.epoch import EpochOrder, Intervals
 __all__ = [
     "COLUMNS",
     "LEFT_OUT",
+    "Decoding",
     "SKIPPED",
     "VALUE_COLUMNS",
     "Part",
@@ -68,6 +71,11 @@ SKIPPED = "__skipped__"  # column flagging the rows of unreadable samples, in co
 _ABSENT_ROWS = "__absent__"  # column flagging the rows that lack a field of other rows
 _ABSENT = object()  # the value of such a field there
 _GROUP = 1024  # positions assembled per part without shuffle
+# Samples built at a time in a per-sample pass. Two dicts a sample (itself and ``__aug__``): a
+# slice of 256 stays under the cyclic collector's threshold (700 new objects), where one of
+# 1,024 set off ~3 collections that found every sample alive, moved them to older
+# generations and led to full collections (1-3 us a sample in all, when decode frees them).
+_SLICE = 256
 _DONE = object()  # the bottom of a hand-out stack
 LEFT_OUT = object()  # what a ``finish`` function returns for an item it leaves out
 
@@ -382,7 +390,7 @@ def _mixed_part(cursors: list[_PartCursor], sources: np.ndarray, rows: Rows) -> 
 @dataclass(frozen=True)
 class _Interleaved:
     """A mixed part's rows left in the sources' parts, for a per-sample pass: per slice of at
-    most ``_GROUP`` hand-out rows, the spans that hold them, by source (each in draw order);
+    most ``_SLICE`` hand-out rows, the spans that hold them, by source (each in draw order);
     ``local[i]``: the place of hand-out row ``i`` among its slice's span rows; ``names``: the
     fields, in the order samples hold them. The part's keys are in span order; its labels are
     its spans' parts'."""
@@ -397,12 +405,12 @@ def _interleaved_part(cursors: list[_PartCursor], sources: np.ndarray, rows: Row
     gathered; at hand-out each source's samples are built from its own parts, as one source's
     are, and put in the mixed order by reference (one per sample, where a gather of rows is
     one per column, and each gathered column is freed, and walked by the cyclic collector)."""
-    per_slice = [_spans(cursors, sources[a : a + _GROUP]) for a in range(0, sources.size, _GROUP)]
+    per_slice = [_spans(cursors, sources[a : a + _SLICE]) for a in range(0, sources.size, _SLICE)]
     slices = [list(chain.from_iterable(by_source)) for by_source in per_slice]
-    group = np.arange(sources.size) // _GROUP
+    group = np.arange(sources.size) // _SLICE
     local = np.empty(sources.size, dtype=np.int64)
     local[np.argsort(group * len(cursors) + sources, kind="stable")] = np.arange(sources.size)
-    local -= group * _GROUP
+    local -= group * _SLICE
     # the fields in the order of their first source, as a join of the sources' rows has them
     names = dict.fromkeys(chain.from_iterable(
         span[0].rows for s in range(len(cursors)) for by_source in per_slice
@@ -428,41 +436,93 @@ def with_parameters(
 # ---------------------------------------------------------------- count
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How :func:`hand_out_samples` finishes samples with a ``decode`` function: ``function``
+    on each sample; ``timed`` in its place in the windows where ``timing()`` says so (the
+    stats time one part in a few); ``failed(sample, exc)`` is what an exception of either
+    becomes: it raises, or returns :data:`LEFT_OUT`. The functions run with no wrapper
+    around each call: a user's function costs what it costs in a plain loop."""
+
+    function: Callable[[dict], Any]
+    failed: Callable[[dict, Exception], Any]
+    timed: Callable[[dict], Any] | None = None
+    timing: Callable[[], bool] = bool  # bool() is False: never timed
+
+
 def hand_out_samples(
     parts: Iterable[Part],
     progress: Progress,
-    finish: Callable[[dict], Any] | None,
+    finish: Callable[[dict], Any] | Decoding | None,
     skipped: Callable[[dict], None],
 ) -> Iterator[Any]:
     """The samples of ``parts`` (sample lists, or columns built into samples here), each with
     its labels (``__index__``, ``__pad__``, and for mixed sources ``__source__`` and
     ``__repeat__``) and ``__aug__`` (its parameters as a dict), passed through ``finish``
-    unless it is None (it returns :data:`LEFT_OUT` to leave one out). An unreadable sample (a
-    ``None`` row, or a row flagged :data:`SKIPPED`) is reported to ``skipped`` with its labels
-    when its turn comes."""
+    unless it is None (it returns :data:`LEFT_OUT` to leave one out; a :class:`Decoding`
+    also says what its exceptions become). An unreadable sample (a ``None`` row, or a row
+    flagged :data:`SKIPPED`) is reported to ``skipped`` with its labels when its turn comes."""
+    decoding = Decoding(finish, _raise) if callable(finish) else finish
     for samples, unreadable in chain.from_iterable(map(_sample_slices, parts)):
         stack = [_DONE]
         stack += reversed(samples)
-        del samples  # the stack holds the samples, and lets go of each as it is handed out
         progress.start_window(stack)
-        if finish is None and not unreadable:
+        if decoding is None and not unreadable:
+            del samples  # the stack holds the samples, and lets go of each as it is handed out
             yield from iter(stack.pop, _DONE)
             continue
+        if decoding is not None and not unreadable:
+            yield from _decoded(samples, stack, decoding)
+            continue
+        del samples
+        function = None if decoding is None else _function(decoding)
         unreadable = iter(unreadable)
         for sample in iter(stack.pop, _DONE):
             if sample is None:
                 skipped(next(unreadable))
-            elif finish is None:
+            elif function is None:
                 yield sample
-            elif (sample := finish(sample)) is not LEFT_OUT:
+            elif (sample := _finished_one(function, decoding.failed, sample)) is not LEFT_OUT:
                 yield sample
     progress.start_window([])
+
+
+def _decoded(samples: list, stack: list, decoding: Decoding) -> Iterator[Any]:
+    """The window's samples popped off ``stack`` (``samples``, in order) through the decoding
+    function, mapped in C (no Python frame per sample but the function's own); after an
+    exception, ``decoding.failed`` of the sample that raised (the last one popped), then on."""
+    popped = iter(stack.pop, _DONE)
+    kept = functools.partial(operator.is_not, LEFT_OUT)
+    function = _function(decoding)
+    while True:
+        try:
+            yield from filter(kept, map(function, popped))
+            return
+        except Exception as exc:
+            if (out := decoding.failed(samples[len(samples) - len(stack)], exc)) is not LEFT_OUT:
+                yield out
+
+
+def _function(decoding: Decoding) -> Callable[[dict], Any]:
+    """The function a window is finished with: timed, where the decoding says so."""
+    return decoding.timed if decoding.timed is not None and decoding.timing() else decoding.function
+
+
+def _finished_one(function: Callable[[dict], Any], failed: Callable, sample: dict) -> Any:
+    try:
+        return function(sample)
+    except Exception as exc:
+        return failed(sample, exc)
+
+
+def _raise(sample: dict, exc: Exception) -> Any:
+    raise exc
 
 
 def _sample_slices(part: Part) -> Iterator[tuple[list, list[dict]]]:
     """The part's samples built from its columns with their labels and ``__aug__``, ``None``
     where unreadable, and what ``skipped`` is told of each unreadable one, in order: in slices
-    of at most ``_GROUP`` rows (a window's), each column read in place or converted by slice,
+    of at most ``_SLICE`` rows, each column read in place or converted by slice,
     so that few dicts and values are alive at once (less for the cyclic collector to walk, a
     mixed part being several windows) and each slice's values are in cache when it is built."""
     if isinstance(part.rows, _Interleaved):
@@ -473,13 +533,13 @@ def _sample_slices(part: Part) -> Iterator[tuple[list, list[dict]]]:
     labels = part.labels
     cols.update({"__index__": labels["__index__"], "__pad__": labels["__pad__"],
                     "__aug__": part.params, **labels})  # fmt: skip
-    names, whole = list(cols), part.keys.size <= _GROUP  # whole: one slice, no iterators
+    names, whole = list(cols), part.keys.size <= _SLICE  # whole: one slice, no iterators
     values = [c if isinstance(c, (np.ndarray, dict)) else as_list(c) if whole else
               iter(as_list(c)) for c in cols.values()]  # fmt: skip
     flags, lacking = (() if f is None else iter(f) for f in (flags, lacking))
     told = _told(labels)
-    for start in range(0, part.keys.size, _GROUP):
-        stop = min(start + _GROUP, part.keys.size)
+    for start in range(0, part.keys.size, _SLICE):
+        stop = min(start + _SLICE, part.keys.size)
         samples = rows_of(names, [_slice(v, start, stop) for v in values])
         n = stop - start
         missing = _finished(samples, islice(lacking, n), islice(flags, n))
@@ -491,7 +551,7 @@ def _interleaved_slices(part: Part) -> Iterator[tuple[list, list[dict]]]:
     built from its part's columns (each source's in its own order, as one source's are), then
     put in hand-out order."""
     rows, at = part.rows, 0
-    for start, spans in zip(range(0, part.keys.size, _GROUP), rows.slices):
+    for start, spans in zip(range(0, part.keys.size, _SLICE), rows.slices):
         built: list = []
         told: dict[int, dict] = {}
         for span in spans:

@@ -16,7 +16,9 @@ bytes, and pickling the bytes of a packed field through the pipe costs more than
 :func:`handed_out` wraps a worker's batch so that the worker queue sends its tensors up to
 :data:`BY_VALUE_BYTES` and its packed fields through the worker's shared-memory ring
 (:mod:`nnh_data.workers.shm_ring`: one copy in, one copy out, a few bytes through the pipe), or
-inside the message when no slot is free, while larger tensors (decoded images) are stacked by
+inside the message when no slot is free, and so do lists of bytes (what a ``decode`` function
+keeps of a sample) from :data:`PACKED_LIST_BYTES` on, packed and rebuilt as the same lists,
+while larger tensors (decoded images) are stacked by
 :func:`collate_decoded` into one of the worker's reused shared-memory buffers
 (:mod:`nnh_data.workers.batch_buffers`: no new segment to fault in per batch, no copy on either
 side; a buffer is written again only once the receiving process has let go of the batch over it), or
@@ -26,6 +28,7 @@ worker, nothing is wrapped.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from itertools import chain, groupby
 from multiprocessing.reduction import ForkingPickler
@@ -36,7 +39,14 @@ import numpy as np
 import pyarrow as pa
 import torch
 from torch.utils.data import get_worker_info
-from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
+from torch.utils.data._utils.collate import (
+    collate,
+    collate_float_fn,
+    collate_int_fn,
+    collate_numpy_array_fn,
+    collate_tensor_fn,
+    default_collate_fn_map,
+)
 
 from nnh_data.columns import ARROW, as_list, concat, cut, take
 from nnh_data.packed import PackedField, arrow_kind
@@ -44,6 +54,7 @@ from nnh_data.workers import batch_buffers, shm_ring
 
 __all__ = [
     "BY_VALUE_BYTES",
+    "PACKED_LIST_BYTES",
     "collate_decoded",
     "collate_rows",
     "collate_samples",
@@ -52,6 +63,7 @@ __all__ = [
 ]
 
 BY_VALUE_BYTES = 1 << 20  # tensors and packed fields up to this size travel in the message
+PACKED_LIST_BYTES = 64 << 10  # lists of bytes of this size travel packed (a decode's bytes)
 _NUMPY_KIND = {bool: np.bool_, int: np.int64, float: np.float64}  # what default_collate makes
 
 
@@ -79,10 +91,16 @@ def collate_decoded(samples: Sequence[Any]) -> Any:
 
 
 def _default_collate(batch: Sequence[Any]) -> Any:
-    """``torch.utils.data.default_collate``, same output, with tensors of one shape and dtype
-    stacked by numpy in the calling thread. ``torch.stack`` copies through torch's thread pool:
-    for a batch of decoded images (256 x 224x224x3) in a loaded main process that took 0.4-0.5 s
-    of CPU against 0.03 s here, the pool's threads spinning while they wait for a core."""
+    """``torch.utils.data.default_collate``, same output, made with fewer steps where numpy
+    gives the same result: tensors and numpy arrays of one shape and dtype stacked by numpy
+    in the calling thread, and Python numbers made into a tensor by numpy.
+
+    Why: ``torch.stack`` copies through torch's thread pool: for a batch of decoded images
+    (256 x 224x224x3) in a loaded main process that took 0.4-0.5 s of CPU against 0.03 s here,
+    the pool's threads spinning while they wait for a core. Numpy arrays become one tensor
+    each before torch stacks them (about 1 us a sample). And ``torch.tensor`` of 256 Python
+    ints takes 5x numpy's time (0.3 us a sample for each int field: a label, an id, the
+    parameters a decode function keeps)."""
     return collate(batch, collate_fn_map=_COLLATE_MAP)
 
 
@@ -92,15 +110,53 @@ def _stacked(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> to
     elem = batch[0]
     if not all(_numpy_stackable(t, elem) for t in batch):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-    shape = (len(batch), *elem.shape)
-    out = batch_buffers.batch_tensor(shape, elem.dtype)  # a reused buffer, when one is free
-    if out is None and get_worker_info() is None:
-        out = torch.empty(shape, dtype=elem.dtype)
-    elif out is None:  # as collate_tensor_fn: in shared memory, so the queue sends it as it is
-        storage = elem._typed_storage()._new_shared(elem.numel() * len(batch), device="cpu")
-        out = elem.new(storage).resize_(shape)
+    out = _batch_tensor((len(batch), *elem.shape), elem.dtype, elem)
     np.stack([t.numpy() for t in batch], out=out.numpy())
     return out
+
+
+def _stacked_arrays(batch: Sequence[np.ndarray], *, collate_fn_map: Any = None) -> torch.Tensor:
+    """``collate_numpy_array_fn``'s result: numpy arrays of one shape and a dtype torch has
+    stacked by numpy into the batch's tensor, with no tensor made per array."""
+    elem = batch[0]
+    dtype = _TORCH_DTYPE.get(elem.dtype)
+    if dtype is None or not all(_same_array(a, elem) for a in batch):
+        return collate_numpy_array_fn(batch, collate_fn_map=collate_fn_map)
+    out = _batch_tensor((len(batch), *elem.shape), dtype, None)
+    np.stack(batch, out=out.numpy())
+    return out
+
+
+def _same_array(array: np.ndarray, first: np.ndarray) -> bool:
+    return type(array) is np.ndarray and array.shape == first.shape and array.dtype == first.dtype
+
+
+def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, like: Any) -> torch.Tensor:
+    """An uninitialised tensor for a batch: a reused buffer when one is free, else new memory
+    (in a DataLoader worker shared memory, as ``collate_tensor_fn`` makes, so that the queue
+    sends it as it is)."""
+    out = batch_buffers.batch_tensor(shape, dtype)
+    if out is not None:
+        return out
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    like = torch.empty(0, dtype=dtype) if like is None else like
+    storage = like._typed_storage()._new_shared(math.prod(shape), device="cpu")
+    return like.new(storage).resize_(shape)
+
+
+def _numbers(batch: Sequence[Any], *, collate_fn_map: Any = None) -> torch.Tensor:
+    """``collate_int_fn``'s or ``collate_float_fn``'s tensor of Python numbers, made by numpy
+    where numpy gives the dtype torch gives (int64 or bool for ints and bools, float64 for
+    floats); torch's function for anything else (mixed kinds, numbers out of range)."""
+    floats = isinstance(batch[0], float)
+    try:
+        array = np.array(batch)
+    except (TypeError, ValueError, OverflowError):
+        array = None
+    if array is not None and array.ndim == 1 and array.dtype in _NUMBER_DTYPES[floats]:
+        return torch.from_numpy(array)
+    return (collate_float_fn if floats else collate_int_fn)(batch, collate_fn_map=collate_fn_map)
 
 
 def _numpy_stackable(tensor: torch.Tensor, first: torch.Tensor) -> bool:
@@ -118,12 +174,17 @@ def _numpy_stackable(tensor: torch.Tensor, first: torch.Tensor) -> bool:
 
 _NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                            torch.int64, torch.float16, torch.float32, torch.float64})  # fmt: skip
+
+
+_NONE_TYPE = type(None)
+
+
 def _nullable(collate_fn: Callable) -> Callable:
     """``collate_fn``, except that a column holding a ``None`` stays the list of its values
     (a nullable column: ``default_collate`` cannot make a tensor of it)."""
 
     def collate_column(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
-        if any(value is None for value in batch):
+        if _NONE_TYPE in map(type, batch):  # in C: ``value is None`` is a frame step a value
             return list(batch)
         return collate_fn(batch, collate_fn_map=collate_fn_map)
 
@@ -138,7 +199,10 @@ def _lists(batch: Sequence[list], *, collate_fn_map: Any = None) -> Any:
     return collate(batch, collate_fn_map={k: f for k, f in collate_fn_map.items() if k is not list})
 
 
-_COLLATE_MAP = {**default_collate_fn_map, torch.Tensor: _stacked, list: _lists}
+_TORCH_DTYPE = {torch.empty(0, dtype=d).numpy().dtype: d for d in _NUMPY_DTYPES}
+_NUMBER_DTYPES = {False: (np.dtype(np.int64), np.dtype(np.bool_)), True: (np.dtype(np.float64),)}
+_COLLATE_MAP = {**default_collate_fn_map, torch.Tensor: _stacked, np.ndarray: _stacked_arrays,
+                bool: _numbers, int: _numbers, float: _numbers, list: _lists}  # fmt: skip
 _COLLATE_MAP = {type(None): _nullable(list), **{k: _nullable(f) for k, f in _COLLATE_MAP.items()}}
 
 
@@ -322,6 +386,13 @@ class _Packed(NamedTuple):
     valid: int | None
 
 
+class _PackedList(NamedTuple):
+    """In a skeleton: a list of bytes sent as a packed field (its :class:`_Packed` marker, or
+    a :class:`_SharedPacked`), rebuilt as the same list."""
+
+    field: Any
+
+
 class _SharedPacked:
     """A large packed field pickled with its data as a tensor (torch's shared memory)."""
 
@@ -356,7 +427,17 @@ def _skeleton(value: Any, arrays: list[np.ndarray]) -> Any:
         if value.valid is not None:
             arrays.append(value.valid.numpy())
         return _Packed(value.kind, first, first + 1, None if value.valid is None else first + 2)
+    if type(value) is list and _packable(value):
+        return _PackedList(_skeleton(PackedField.pack(value), arrays))
     return value
+
+
+def _packable(values: list) -> bool:
+    """Whether a list travels packed: only ``bytes``, :data:`PACKED_LIST_BYTES` or more of
+    them (pickled, 256 values of 3 KiB cost 4x the copies into and out of the ring: the
+    pipe's own copies, 64 KiB at a time, and a wake-up of each side per piece)."""
+    return (bool(values) and type(values[0]) is bytes and set(map(type, values)) == {bytes}
+            and sum(map(len, values)) >= PACKED_LIST_BYTES)  # fmt: skip
 
 
 def _small_array(tensor: torch.Tensor) -> np.ndarray | None:
@@ -382,6 +463,8 @@ def _filled(skeleton: Any, arrays: list[np.ndarray]) -> Any:
         return _tensor(arrays[skeleton.index])
     if type(skeleton) is _Pooled:
         return batch_buffers.rebuild(*skeleton.placed)
+    if type(skeleton) is _PackedList:
+        return _filled(skeleton.field, arrays).tolist()
     if type(skeleton) is _Packed:
         valid = None if skeleton.valid is None else _tensor(arrays[skeleton.valid])
         return PackedField(_tensor(arrays[skeleton.data]), _tensor(arrays[skeleton.offsets]),

@@ -174,3 +174,14 @@ def test_dictionary_columns_are_taken_by_their_keys_null_keys_too():
     assert as_list(take({"d": with_null}, np.array([3, 1, 0, 2]))["d"]) == ["b", None, "b", "a"]
     plain = pa.DictionaryArray.from_arrays(pa.array([1, 0], pa.int32()), words)
     assert as_list(take({"d": plain}, np.array([1, 1, 0]))["d"]) == ["a", "a", "b"]
+
+
+@given(st.sampled_from(["int8", "int32", "int64", "uint16", "float32", "float64"]),
+       st.lists(st.integers(0, 100), max_size=12), st.integers(0, 3))  # fmt: skip
+def test_arrow_of_is_pa_array_of_the_values(dtype, values, offset):
+    import pyarrow as pa
+
+    from nnh_data.columns import arrow_of
+
+    array = np.array(values, dtype)[offset:]  # a view that does not start its buffer too
+    assert arrow_of(array).equals(pa.array(array))

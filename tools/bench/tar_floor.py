@@ -61,7 +61,7 @@ def read_pass(blocks: list[tuple], parse: bool) -> int:
 
 
 def epoch_pass(system: str, folder: str) -> int:
-    loader = peers.loader_of(system, folder, 0, jpeg=False)
+    loader = peers.SYSTEMS[system].loader(folder, 0, None)
     return sum(peers.rows_of(batch) for batch in loader)
 
 

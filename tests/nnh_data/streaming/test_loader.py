@@ -134,3 +134,28 @@ def test_no_torchdata_warning_at_loader_start(tar_shards, workers, context):
     )  # fmt: skip
     assert done.returncode == 0 and done.stdout.split() == ["11", "11"], done.stderr[-3000:]
     assert "set_vital" not in done.stderr, done.stderr[-3000:]
+
+
+NO_PANDAS_RUN = """
+import sys
+from multiprocessing import util
+from nnh_data import ShardedStreamingDataset, streaming_loader
+def at_exit(_):  # a worker tells, as it ends, whether it imported pandas
+    util.Finalize(None, lambda: print("pandas" in sys.modules, flush=True), exitpriority=100)
+urls, batch_size, workers = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3])
+ds = ShardedStreamingDataset(urls, batch_size=None if batch_size == "-" else int(batch_size))
+loader = streaming_loader(ds, 4, num_workers=workers, worker_init_fn=at_exit,
+                          persistent_workers=False)
+print(sum(len(b["__index__"]) for b in loader), "pandas" in sys.modules, flush=True)
+"""
+
+
+@pytest.mark.parametrize(("batch_size", "workers"), [("-", 0), ("-", 2), ("4", 0)])
+def test_a_tar_pass_does_not_import_pandas(tar_shards, batch_size, workers):
+    """pyarrow imports pandas at its first ``pa.array`` (0.2 s of CPU and tens of MB in each
+    DataLoader worker): the tar path makes its Arrow arrays without it."""
+    urls = ",".join(tar_shards([6, 5]))
+    done = subprocess.run([sys.executable, "-c", NO_PANDAS_RUN, urls, batch_size, str(workers)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(done.stdout.split()) == ["11"] + ["False"] * (1 + workers), done.stdout

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nnh_data.order.blocks import pad_plan, read_plan
 from nnh_data.order.epoch import EpochOrder, worker_plan
@@ -221,3 +223,78 @@ def test_hand_out_samples_builds_a_long_part_in_slices():
     assert got == expected and [list(s) for s in got] == [list(s) for s in expected]
     assert [label["__index__"] for label in skipped] == [i for i, r in enumerate(rows) if r is None]
     assert progress.handed_out() == n
+
+
+def _plain_decoding(parts, progress, decoding, skipped):
+    """The plain version of a Decoding: the samples as handed out, each decoded in a
+    try/except, one at a time."""
+    for sample in stages.hand_out_samples(parts, progress, None, skipped):
+        try:
+            out = decoding.function(sample)
+        except Exception as exc:
+            out = decoding.failed(sample, exc)
+        if out is not stages.LEFT_OUT:
+            yield out
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.one_of(st.none(), st.integers(0, 9)), max_size=6), max_size=4),
+       st.sets(st.integers(0, 9)), st.booleans(), st.booleans())  # fmt: skip
+def test_decoding_hands_out_what_the_plain_loop_does(parts, bad, skip, timing):
+    """The mapped decode gives, counts and skips what a try/except per sample gives; a failure
+    is told its own sample, and under a raising policy the pass stops where the loop's does."""
+
+    def decode(sample):
+        if sample["k"] in bad:
+            raise ValueError(sample["k"])
+        return sample["k"] * 10
+
+    def failed(sample, exc):
+        if not skip:
+            raise RuntimeError(f"at {sample['k']}") from exc
+        return stages.LEFT_OUT if sample["k"] % 2 else -sample["k"]
+
+    timed = []
+    decoding = stages.Decoding(decode, failed, lambda s: timed.append(1) or decode(s),
+                               lambda: timing)  # fmt: skip
+    runs = []
+    for hand_out in (stages.hand_out_samples, _plain_decoding):
+        rows = [[None if k is None else {"k": k} for k in part] for part in parts]
+        progress, skipped, got = stages.Progress(), [], []
+        out = hand_out(make_parts(rows), progress, decoding, skipped.append)
+        try:
+            for item in out:
+                got.append((item, progress.handed_out()))
+        except RuntimeError as exc:
+            got.append((str(exc), progress.handed_out()))
+        runs.append((got, [label["__index__"] for label in skipped], progress.handed_out()))
+    assert runs[0] == runs[1]
+    assert bool(timed) == (timing and any(k is not None for part in parts for k in part))
+
+
+@pytest.mark.parametrize("slice_size", [7, 10**6])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_samples_built_in_slices_are_the_stream_built_whole(tar_shards, monkeypatch, mixed,
+                                                            slice_size):  # fmt: skip
+    """A per-sample pass builds its samples a slice at a time (``_SLICE``): the samples, their
+    order and parameters, what a decode is given and the resume state are those of slices of
+    any other size."""
+    from nnh_data import ShardedStreamingDataset, Source
+
+    urls = tar_shards([700, 0, 650, 333], size=8)
+    two = [Source(urls[:2], weight=1.0, name="a"), Source(urls[2:], weight=2.0, name="b")]
+
+    def seen(sample: dict) -> tuple:
+        return sample["__key__"], sample["__index__"], sample.get("__source__"), sample["__aug__"]
+
+    def stream() -> tuple[list, dict]:
+        ds = ShardedStreamingDataset(two if mixed else urls, seed=5, shuffle_window=600,
+                                     epoch_size=1700, decode=seen)  # fmt: skip
+        it = iter(ds)
+        head = [next(it) for _ in range(611)]
+        state = ds.state_dict()
+        return head + list(it), state
+
+    expected = stream()
+    monkeypatch.setattr(stages, "_SLICE", slice_size)
+    assert stream() == expected

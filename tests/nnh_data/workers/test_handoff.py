@@ -3,6 +3,7 @@ plain collation gives, and the same whether they cross a DataLoader worker queue
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -15,6 +16,7 @@ from nnh_data import PackedField, ShardedStreamingDataset, Source, streaming_loa
 from nnh_data.shards.reading import build_shard_index
 from nnh_data.workers.handoff import (
     BY_VALUE_BYTES,
+    PACKED_LIST_BYTES,
     collate_decoded,
     collate_samples,
     handed_out,
@@ -113,6 +115,9 @@ def make_batch(i: int) -> dict:
         "blob": PackedField.pack([bytes([i]) * (BY_VALUE_BYTES + 1)]),
         "nested": {"n": torch.tensor([i])},
         "other": [i, "x"],
+        "blobs": [bytes([i, j]) * (PACKED_LIST_BYTES // 4) for j in range(3)],  # travel packed
+        "few": [b"ab", b"c"],  # travel as they are
+        "huge": [bytes([i, j]) * (BY_VALUE_BYTES // 2) for j in range(2)],  # in shared memory
     }
 
 
@@ -122,6 +127,8 @@ def test_worker_batches_arrive_as_plain_dicts_of_the_same_values(context):
     got = list(loader)
     assert [plain(b) for b in got] == [plain(make_batch(i)) for i in range(3)]
     assert all(type(b) is dict and type(b["nested"]) is dict for b in got)
+    assert all(type(b[k]) is list and {type(v) for v in b[k]} == {bytes}
+               for b in got for k in ("blobs", "few", "huge"))  # fmt: skip
 
 
 def _check_rows_equal_samples(ds_args: dict, workers: int = 0, batch: int = 5):
@@ -214,3 +221,34 @@ def test_collate_decoded_is_default_collate(workers):
     assert all(b["image"].dtype == torch.uint8 and b["t"].shape == (3, 2, 3) for b in got)
     with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
         collate_decoded([{"x": torch.zeros(2)}, {"x": torch.zeros(3)}])
+
+
+NUMBER = st.one_of(st.integers(-(2**64), 2**64), st.booleans(), st.floats(allow_nan=False),
+                   st.integers(-9, 9).map(np.int32))  # fmt: skip
+ARRAY = st.tuples(st.sampled_from(["<i4", ">i4", "u1", "f2", "f8", "?", "<U2", "i8"]),
+                  st.integers(1, 2), st.integers(0, 3)).map(
+    lambda d: np.full((d[1],), d[2]).astype(d[0]))  # fmt: skip
+COLUMN = st.one_of(
+    st.sampled_from([st.integers(-(2**63), 2**63 - 1), st.booleans(), st.floats(allow_nan=False)]),
+    st.just(NUMBER),  # numbers of mixed kinds
+    ARRAY.map(st.just),  # one array for every sample
+    st.just(ARRAY),  # arrays of mixed dtypes and shapes
+)
+
+
+def outcome(collate_fn, samples):
+    try:
+        return plain(collate_fn(samples))
+    except Exception as exc:
+        return type(exc)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(COLUMN, min_size=1, max_size=3), st.integers(1, 5), st.data())
+def test_collate_decoded_of_numbers_and_arrays_is_default_collate(columns, n, data):
+    """numpy makes the tensors of Python numbers and stacks numpy arrays where it gives
+    torch's result: the same dtypes, values and errors as default_collate otherwise."""
+    samples = [{f"c{i}": data.draw(c) for i, c in enumerate(columns)} for _ in range(n)]
+    assert outcome(collate_decoded, samples) == outcome(default_collate, samples)
+    values = [sample["c0"] for sample in samples]  # a list of values, not of dicts
+    assert outcome(collate_decoded, values) == outcome(default_collate, values)
