@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from nnh_data.columns import ARROW, Columns, concat, one_array, take
+from nnh_data.columns import ARROW, Columns, concat, cut, one_array, take
 from nnh_data.order.epoch import EpochOrder, coalesce
 from nnh_data.order.global_batches import (
     Batch,
@@ -43,6 +43,7 @@ __all__ = ["GlobalPlan", "global_labels", "global_parts", "lane_orders"]
 
 _UNSHUFFLED = 1024  # lane items read together without shuffle
 _CHUNK_ROWS = 8192  # rows of loader batches taken at once
+_HANDED_ROWS = 1024  # rows per part handed out (see :func:`_handed`)
 _LABEL_CHUNK = 1 << 20  # planned labels computed at a time
 
 
@@ -92,7 +93,8 @@ def global_parts(
     lanes, pools = _Lanes(_located(read, params)), _Pools(rows)
     batches = plan.batches()
     while chunk := _chunk(batches):
-        yield pools.taken([span for batch in chunk for span in lanes.spans(batch)], lanes.held)
+        taken = pools.taken([span for batch in chunk for span in lanes.spans(batch)], lanes.held)
+        yield from _handed(taken, rows)
         for part in lanes.released():
             pools.release(part)
 
@@ -107,6 +109,22 @@ def _chunk(batches: Iterator[Batch]) -> list[Batch]:
         if size >= _CHUNK_ROWS:
             break
     return chunk
+
+
+def _handed(part: Part, rows: Rows) -> Iterator[Part]:
+    """``part`` in parts of up to :data:`_HANDED_ROWS` rows (views, nothing copied). A part is
+    handed out as a tuple per row (:func:`~nnh_data.streaming.stages.hand_out_rows`), which
+    CPython takes from its free list of 2,000 small tuples as long as a part has no more: with
+    8,192 rows a part it made new ones, and their count set off a collection every 700 (a
+    full one, which walks the windows held, each few chunks: a fifth of a worker's CPU)."""
+    size = part.keys.size
+    if size <= _HANDED_ROWS:
+        yield part
+        return
+    for a in range(0, size, _HANDED_ROWS):
+        b = min(size, a + _HANDED_ROWS)
+        yield Part(rows.cut(part.rows, a, b), cut(part.labels, a, b), part.keys[a:b],
+                   cut(part.params, a, b))  # fmt: skip
 
 
 class _Lanes:
