@@ -307,8 +307,8 @@ def _own_values(column: pa.Array, own: bool) -> pa.Array:
     which reuses a few: a window held per lane would otherwise keep its read buffers, and each
     epoch's be new memory, zeroed page by page (133,000 page faults an epoch for the 256 lanes
     of one rank of 2 workers reading 512 MB)."""
-    if not own or not is_view(column.type):
-        return column
+    if not own or not is_view(column.type) or len(column.buffers()) == 2:
+        return column  # (a view array without data buffers holds its values in its views)
     plain = pa.string() if pa.types.is_string_view(column.type) else pa.binary()
     return column.cast(plain).cast(column.type)
 
