@@ -6,12 +6,14 @@ the loader batches worker ``w`` yields, as runs of lane items, and what it reads
 lane window it enters, in the order it first needs it, and each pad). The reads go through the
 source's :class:`~nnh_data.streaming.source_reader.SourceReader` as one stream of pieces (one
 read-ahead thread, one cache session, the next epoch's pieces planned in the cache); each lane
-window comes out as one part with its parameters (one call per window, as in a plain pass), its
-rows as read and the indices that order them, and is held while the lane's items are taken from
-it. The held parts are joined once (until a lane moves on), and a chunk of loader batches is one
-take per field from the join: each row is gathered once, as in a plain pass. What that costs:
-one window held per lane the worker reads (its values copied out of the read buffers), and the
-join.
+window comes out as one part, its rows as read and the indices that order them, and is held
+while the lane's items are taken from it. The held parts are joined once (until a lane moves
+on), and a chunk of loader batches is one take per field from the join: each row is gathered
+once, as in a plain pass. The chunk's runs are looked up per lane in arrays, and it is handed
+out in parts of up to 1,024 rows, each with its parameters (one call per part, as in a plain
+pass). What that costs: one window held per lane the worker reads (its values copied out of
+the read buffers), the join, and a gather that reads each row back from memory (a window is
+read when its lane first needs it and gathered from until the lane moves on).
 """
 
 from __future__ import annotations
