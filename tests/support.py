@@ -606,10 +606,17 @@ def _proxy_handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
                 sent += len(chunk)
 
         def _send(self, chunk: bytes, counted, path: str) -> None:
+            """Counted before it is written: a client that has the bytes sees them counted
+            (counted after, a loaded machine let the test read the counter first)."""
             proxy._throttle(len(chunk))
-            self.wfile.write(chunk)
             if counted is not None:
                 proxy._count(counted, path, len(chunk))
+            try:
+                self.wfile.write(chunk)
+            except OSError:
+                if counted is not None:
+                    proxy._count(counted, path, -len(chunk))  # not sent after all
+                raise
 
         def _break(self, fault: Fault) -> bool:
             """Apply a mid-body fault; True when the response ends here."""
