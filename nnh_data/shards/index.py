@@ -6,7 +6,11 @@ version, sample count and seek positions. The version is what the filesystem's l
 identifies this content of the file (an object store's ETag or version id, else the
 modification time): an entry is reused only while size and version are unchanged, because a
 rewritten tar keeps its size more often than not (tar pads to 10 KiB records). So a sidecar
-serves several shard sets in one folder and a rebuild re-scans only what changed.
+serves several shard sets in one folder and a rebuild re-scans only what changed. An entry is
+checked as strictly as a resume state before it is used (types, ranges, its count against its
+seek positions; one of no sample by a scan, which costs nothing for a shard that is empty): one
+that is no valid index of its shard (a hand-edited sidecar) is indexed again, with a warning
+naming the sidecar and the entry.
 Seek positions are stored delta-encoded (sample sizes in 512-byte tar blocks, rows per Parquet
 row group) as base64 text of the narrowest integers that fit: about 1.4 bytes per small tar
 sample, so the sidecar of 10,000 shards loads in milliseconds and is decoded per shard on use.
@@ -215,16 +219,25 @@ def cached_infos(
     stats: Sequence[tuple[int, str]],
     entries: dict[str, Any],
     index_path: str,
-) -> list[ShardInfo | None]:
+) -> tuple[list[ShardInfo | None], dict[str, str]]:
     """The ShardInfo of each URL whose sidecar entry still matches (format, size and version,
-    from :func:`file_stats`), else None."""
+    from :func:`file_stats`) and is a valid index of the shard (:func:`entry_problem`), else
+    None; and what is wrong with each entry that matched but is no valid index, by entry
+    name."""
     folder = index_path.rpartition("/")[0]
     infos: list[ShardInfo | None] = []
+    problems: dict[str, str] = {}
     for url, format, (size, version) in zip(urls, formats, stats):
-        entry = entries.get(_entry_key(url, folder))
-        if entry is None or (entry["format"], entry["size"], entry["version"]) != (
-            format, size, version
-        ):  # fmt: skip
+        key = _entry_key(url, folder)
+        entry = entries.get(key)
+        if not isinstance(entry, dict) or (
+            entry.get("format"), entry.get("size"), entry.get("version")
+        ) != (format, size, version):  # fmt: skip
+            infos.append(None)
+            continue
+        problem = entry_problem(entry, size)
+        if problem is not None:
+            problems[key] = problem
             infos.append(None)
             continue
         info = _matched_info(url=url, format=format, num_samples=entry["num_samples"],
@@ -235,7 +248,67 @@ def cached_infos(
             info = replace(info, error=entry["error"], lost=entry["lost"],
                            lost_exact=entry["lost_exact"], gaps=gaps)  # fmt: skip
         infos.append(info)
-    return infos
+    return infos, problems
+
+
+def entry_problem(entry: dict[str, Any], size: int) -> str | None:
+    """What makes a sidecar entry that matched its shard's format, size and version no index
+    of it, or None: each field's type and range, as strictly as a resume state, and its sample
+    count against its seek positions (a hand-edited count would otherwise drop samples or
+    promise more than the shard holds). Checked from the seek text's length for tar (about
+    1 us an entry, where decoding it takes 10): positions that disagree with the bytes
+    are a :class:`StaleIndexError` when the shard is read."""
+    format, count, seek = entry["format"], entry.get("num_samples"), entry.get("seek")
+    if not _is_count(count):
+        return f"num_samples must be an integer >= 0, got {_clip(count)}"
+    if not isinstance(seek, str):
+        return f"seek must be a str, got {_clip(seek)}"
+    try:
+        width, deltas = (1, b"\0") if not seek else (int(seek[0]), _b64(seek[1:]))
+        if width not in (1, 2, 4, 8) or not deltas or len(deltas) % width:
+            raise ValueError(f"{len(deltas)} bytes of {width}-byte numbers")
+    except (ValueError, TypeError) as exc:
+        return f"seek {_clip(seek)} does not hold offsets ({exc})"
+    if format == "tar":
+        held = len(deltas) // width - 1
+    else:
+        held = sum(np.frombuffer(deltas, f"<u{width}").tolist())
+    if held != count:
+        return f"num_samples is {count}, its seek positions hold {held}"
+    return _optional_problem(entry, size)
+
+
+def _optional_problem(entry: dict[str, Any], size: int) -> str | None:
+    """The optional fields: nullable columns, and what was lost of a damaged shard."""
+    nullable = entry.get("nullable", [])
+    if not isinstance(nullable, list) or not all(isinstance(n, str) for n in nullable):
+        return f"nullable must be a list of column names, got {_clip(nullable)}"
+    if "error" not in entry:
+        return None
+    if not isinstance(entry["error"], str) or not _is_count(entry.get("lost")):
+        return f"error must be a str and lost an integer >= 0, got {_clip(entry)}"
+    if not isinstance(entry.get("lost_exact"), bool):
+        return f"lost_exact must be true or false, got {_clip(entry.get('lost_exact'))}"
+    gaps = entry.get("gaps", [])
+    if not isinstance(gaps, list) or not all(
+        isinstance(g, list) and len(g) == 2 and all(map(_is_count, g)) and g[0] < g[1] <= size
+        for g in gaps
+    ):
+        return f"gaps must be [start, end] byte spans inside the shard, got {_clip(gaps)}"
+    return None
+
+
+def _b64(text: str) -> bytes:
+    return base64.b64decode(text, validate=True)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _clip(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _matched_info(**values: Any) -> ShardInfo:
@@ -278,6 +351,10 @@ def load_entries(index_path: str, storage_options: dict[str, Any] | None = None)
         return {}
     if not isinstance(saved, dict) or saved.get("version") != INDEX_VERSION:
         warnings.warn(f"ignoring shard index {index_path!r} of another version", stacklevel=3)
+        return {}
+    if not isinstance(saved.get("shards"), dict):
+        warnings.warn(f"ignoring shard index {index_path!r}: its 'shards' is no object of "
+                      f"entries (got {_clip(saved.get('shards'))})", stacklevel=3)  # fmt: skip
         return {}
     return saved["shards"]
 
@@ -394,9 +471,13 @@ def build_shard_index(
     beside = index_path is None  # the sidecar goes into the shards' folder
     index_path = index_path or default_index_path(urls)
     entries = {} if rebuild else load_entries(index_path, storage_options)
-    infos = cached_infos(urls, formats, stats, entries, index_path)
-    # a damaged shard from the sidecar is scanned again when it must raise
-    todo = [i for i, info in enumerate(infos) if info is None or info.error and on_error == "raise"]
+    infos, problems = cached_infos(urls, formats, stats, entries, index_path)
+    # A damaged shard from the sidecar is scanned again when it must raise; an entry of no
+    # sample too (cheap: an empty shard holds nothing to scan): an edited count of 0 would
+    # drop the shard's samples without a trace.
+    empty = [i for i, info in enumerate(infos) if info and info.num_samples == 0 and not info.error]
+    todo = [i for i, info in enumerate(infos)
+            if info is None or info.error and on_error == "raise" or i in empty]  # fmt: skip
 
     def scan(i: int) -> ShardInfo:
         return _scan_or_salvage(fs, paths[i], urls[i], formats[i], stats[i], on_error)
@@ -413,10 +494,27 @@ def build_shard_index(
         if info.error is not None:
             warnings.warn(f"{info.url}: {info.loss} lost, {info.num_samples} indexed "
                           f"({info.error})", stacklevel=2)  # fmt: skip
-    if todo:
-        entries = updated_entries(entries, infos, index_path)
-        _save_or_warn(index_path, entries, storage_options, note=beside)
+    folder = index_path.rpartition("/")[0]
+    problems.update({_entry_key(infos[i].url, folder): f"num_samples is 0, the shard holds "
+                     f"{infos[i].num_samples}" for i in empty if infos[i].num_samples})  # fmt: skip
+    _warn_invalid(index_path, problems)
+    updated = updated_entries(entries, infos, index_path) if todo else entries
+    if updated != entries:
+        _save_or_warn(index_path, updated, storage_options, note=beside)
     return ShardIndex(tuple(infos), index_path)
+
+
+def _warn_invalid(index_path: str, problems: dict[str, str]) -> None:
+    """Say which entries of the sidecar matched their shard but held no valid index of it
+    (they were indexed again, and the sidecar is rewritten)."""
+    if problems:
+        (name, problem), more = next(iter(problems.items())), len(problems) - 1
+        warnings.warn(
+            f"shard index {index_path!r}: entry {name!r} is not a valid index of its shard "
+            f"({problem})" + (f", nor are {more} other entries" if more else "")
+            + "; indexed again (was the sidecar edited?)",
+            stacklevel=3,
+        )
 
 
 def _save_or_warn(
