@@ -10,7 +10,9 @@ serves several shard sets in one folder and a rebuild re-scans only what changed
 checked as strictly as a resume state before it is used (types, ranges, its count against its
 seek positions; one of no sample by a scan, which costs nothing for a shard that is empty): one
 that is no valid index of its shard (a hand-edited sidecar) is indexed again, with a warning
-naming the sidecar and the entry.
+naming the sidecar and the entry. A Parquet entry keeps a digest of its columns and types, so
+that shards holding one column under two types are named when indexed (:func:`check_schemas`),
+not found out as a batch of mixed types.
 Seek positions are stored delta-encoded (sample sizes in 512-byte tar blocks, rows per Parquet
 row group) as base64 text of the narrowest integers that fit: about 1.4 bytes per small tar
 sample, so the sidecar of 10,000 shards loads in milliseconds and is decoded per shard on use.
@@ -68,6 +70,7 @@ __all__ = [
     "ShardIndex",
     "ShardInfo",
     "cached_infos",
+    "check_schemas",
     "decode_offsets",
     "default_index_path",
     "encode_offsets",
@@ -75,6 +78,7 @@ __all__ = [
     "file_version",
     "load_entries",
     "save_entries",
+    "schema_digest",
     "updated_entries",
 ]
 
@@ -94,7 +98,8 @@ class ShardInfo:
     build a ShardInfo from offsets with :meth:`from_offsets`. ``size`` is the file size in
     bytes when indexed and ``version`` what identified its content then (:func:`file_version`);
     ``nullable`` names the Parquet and Arrow columns that hold nulls (or lack statistics to
-    tell).
+    tell), and ``schema`` is a digest of a Parquet shard's column names and types
+    (:func:`schema_digest`).
     A shard indexed with ``on_error="skip"`` despite damage has ``error`` set (what was wrong),
     ``lost`` samples that could not be indexed (a lower bound unless ``lost_exact``) and, for
     tar, ``gaps``: byte spans inside its samples' pieces that hold no readable sample, cut out
@@ -112,6 +117,7 @@ class ShardInfo:
     lost: int = 0
     lost_exact: bool = True
     gaps: tuple[tuple[int, int], ...] = ()
+    schema: str = ""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -126,11 +132,13 @@ class ShardInfo:
         size: int,
         version: str = "",
         nullable: Sequence[str] = (),
+        schema: str = "",
     ) -> ShardInfo:
         """A ShardInfo for a shard whose pieces start at ``offsets`` (see :attr:`offsets`)."""
         num_samples = len(offsets) - 1 if format == "tar" else int(offsets[-1])
         seek = encode_offsets(offsets, format)
-        return cls(url, format, num_samples, seek, size, None, version, tuple(nullable))
+        return cls(url, format, num_samples, seek, size, None, version, tuple(nullable),
+                   schema=schema)  # fmt: skip
 
     @property
     def loss(self) -> str:
@@ -232,8 +240,8 @@ def cached_infos(
         entry = entries.get(key)
         if not isinstance(entry, dict) or (
             entry.get("format"), entry.get("size"), entry.get("version")
-        ) != (format, size, version):  # fmt: skip
-            infos.append(None)
+        ) != (format, size, version) or format == "parquet" and "schema" not in entry:
+            infos.append(None)  # new, changed, or indexed before schemas were kept
             continue
         problem = entry_problem(entry, size)
         if problem is not None:
@@ -242,7 +250,8 @@ def cached_infos(
             continue
         info = _matched_info(url=url, format=format, num_samples=entry["num_samples"],
                              seek=entry["seek"], size=size, version=version,
-                             nullable=tuple(entry.get("nullable", ())))  # fmt: skip
+                             nullable=tuple(entry.get("nullable", ())),
+                             schema=entry.get("schema", ""))  # fmt: skip
         if "error" in entry:  # indexed with on_error="skip" despite damage
             gaps = tuple(tuple(gap) for gap in entry.get("gaps", ()))
             info = replace(info, error=entry["error"], lost=entry["lost"],
@@ -283,6 +292,8 @@ def _optional_problem(entry: dict[str, Any], size: int) -> str | None:
     nullable = entry.get("nullable", [])
     if not isinstance(nullable, list) or not all(isinstance(n, str) for n in nullable):
         return f"nullable must be a list of column names, got {_clip(nullable)}"
+    if not isinstance(entry.get("schema", ""), str):
+        return f"schema must be a str, got {_clip(entry['schema'])}"
     if "error" not in entry:
         return None
     if not isinstance(entry["error"], str) or not _is_count(entry.get("lost")):
@@ -332,6 +343,8 @@ def updated_entries(
                  "num_samples": info.num_samples, "seek": info.seek}  # fmt: skip
         if info.nullable:
             entry["nullable"] = list(info.nullable)
+        if info.format == "parquet":
+            entry["schema"] = info.schema
         if info.error is not None:
             entry.update(error=info.error, lost=info.lost, lost_exact=info.lost_exact)
             entry.update({"gaps": [list(gap) for gap in info.gaps]} if info.gaps else {})
@@ -498,6 +511,7 @@ def build_shard_index(
     problems.update({_entry_key(infos[i].url, folder): f"num_samples is 0, the shard holds "
                      f"{infos[i].num_samples}" for i in empty if infos[i].num_samples})  # fmt: skip
     _warn_invalid(index_path, problems)
+    check_schemas(fs, paths, infos)
     updated = updated_entries(entries, infos, index_path) if todo else entries
     if updated != entries:
         _save_or_warn(index_path, updated, storage_options, note=beside)
@@ -581,7 +595,8 @@ def scan_shard(
             raise ShardError(url, "footer", what) from exc
         offsets = [0, *itertools.accumulate(row_group_rows(metadata))]
         nullable = _nullable_columns(metadata)
-        return ShardInfo.from_offsets(url, format, offsets, size, version, nullable)
+        schema = schema_digest(metadata.schema.to_arrow_schema())
+        return ShardInfo.from_offsets(url, format, offsets, size, version, nullable, schema)
     try:
         offsets = _scan_tar(fs, path, size)
     except TarFormatError as exc:
@@ -639,6 +654,38 @@ def _content(fs: AbstractFileSystem, path: str, expected: str) -> str | None:
     if what in ("a tar file", "a Parquet file", "an Arrow IPC file"):
         return f"{what}, not {expected}: pass format={what.split()[1].lower()!r}"
     return what if "not supported" in what else f"{what}, not {expected}"
+
+
+def schema_digest(schema: pa.Schema) -> str:
+    """16 hex digits of a hash of the column names and types of ``schema`` (not their order,
+    nullability or metadata, which do not change what a batch holds)."""
+    columns = sorted([field.name, str(field.type)] for field in schema)
+    return hashlib.sha256(json.dumps(columns).encode()).hexdigest()[:16]
+
+
+def check_schemas(fs: AbstractFileSystem, paths: Sequence[str], infos: Sequence[ShardInfo]) -> None:
+    """A column that several Parquet shards hold has one type in all of them (a column all
+    null in a shard, of type null there, fits any type): otherwise its samples would have
+    several types and batches mix them. A shard may lack columns others have (its samples
+    then lack them too). A ``ValueError`` names the column and two shards that differ. Only
+    the first shard of each schema digest is read (its footer), and only when digests differ."""
+    firsts: dict[str, int] = {}
+    for i, info in enumerate(infos):
+        if info.schema:
+            firsts.setdefault(info.schema, i)
+    if len(firsts) < 2:
+        return
+    known: dict[str, tuple[pa.DataType, str]] = {}  # column: its type, and a shard holding it
+    for i in firsts.values():
+        url = infos[i].url
+        for field in pq.read_schema(paths[i], filesystem=fs):
+            have, other = known.get(field.name, (pa.null(), url))
+            if pa.types.is_null(have):
+                known[field.name] = field.type, url
+            elif field.type != have and not pa.types.is_null(field.type):
+                raise ValueError(f"Parquet shards differ in column {field.name!r}: {other} "
+                                 f"holds {have}, {url} holds {field.type}; a column needs one "
+                                 "type in every shard (cast it when writing them)")  # fmt: skip
 
 
 def row_group_rows(metadata: pq.FileMetaData) -> list[int]:
