@@ -87,6 +87,7 @@ INDEX_VERSION = 3
 # listing fields that identify a file's content, most specific first (S3, GCS, Azure, local, ...)
 _VERSION_FIELDS = ("VersionId", "ETag", "generation", "etag", "mtime", "LastModified",
                    "last_modified", "updated", "created")  # fmt: skip
+_PARQUET_KEYS = {"schema", "data_bytes"}  # kept since version 3 was first written
 _UNITS = {"tar": 512, "parquet": 1, "arrow": 1}  # tar offsets are whole 512-byte blocks
 
 
@@ -98,8 +99,9 @@ class ShardInfo:
     build a ShardInfo from offsets with :meth:`from_offsets`. ``size`` is the file size in
     bytes when indexed and ``version`` what identified its content then (:func:`file_version`);
     ``nullable`` names the Parquet and Arrow columns that hold nulls (or lack statistics to
-    tell), and ``schema`` is a digest of a Parquet shard's column names and types
-    (:func:`schema_digest`).
+    tell), ``schema`` is a digest of a Parquet shard's column names and types
+    (:func:`schema_digest`) and ``data_bytes`` the bytes its footer declares its rows hold once
+    decompressed (-1: unknown), which bound the rows read at once.
     A shard indexed with ``on_error="skip"`` despite damage has ``error`` set (what was wrong),
     ``lost`` samples that could not be indexed (a lower bound unless ``lost_exact``) and, for
     tar, ``gaps``: byte spans inside its samples' pieces that hold no readable sample, cut out
@@ -118,6 +120,7 @@ class ShardInfo:
     lost_exact: bool = True
     gaps: tuple[tuple[int, int], ...] = ()
     schema: str = ""
+    data_bytes: int = -1
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -133,12 +136,13 @@ class ShardInfo:
         version: str = "",
         nullable: Sequence[str] = (),
         schema: str = "",
+        data_bytes: int = -1,
     ) -> ShardInfo:
         """A ShardInfo for a shard whose pieces start at ``offsets`` (see :attr:`offsets`)."""
         num_samples = len(offsets) - 1 if format == "tar" else int(offsets[-1])
         seek = encode_offsets(offsets, format)
         return cls(url, format, num_samples, seek, size, None, version, tuple(nullable),
-                   schema=schema)  # fmt: skip
+                   schema=schema, data_bytes=data_bytes)  # fmt: skip
 
     @property
     def loss(self) -> str:
@@ -240,8 +244,8 @@ def cached_infos(
         entry = entries.get(key)
         if not isinstance(entry, dict) or (
             entry.get("format"), entry.get("size"), entry.get("version")
-        ) != (format, size, version) or format == "parquet" and "schema" not in entry:
-            infos.append(None)  # new, changed, or indexed before schemas were kept
+        ) != (format, size, version) or format == "parquet" and not _PARQUET_KEYS <= entry.keys():
+            infos.append(None)  # new, changed, or indexed before schemas and sizes were kept
             continue
         problem = entry_problem(entry, size)
         if problem is not None:
@@ -251,7 +255,8 @@ def cached_infos(
         info = _matched_info(url=url, format=format, num_samples=entry["num_samples"],
                              seek=entry["seek"], size=size, version=version,
                              nullable=tuple(entry.get("nullable", ())),
-                             schema=entry.get("schema", ""))  # fmt: skip
+                             schema=entry.get("schema", ""),
+                             data_bytes=entry.get("data_bytes", -1))  # fmt: skip
         if "error" in entry:  # indexed with on_error="skip" despite damage
             gaps = tuple(tuple(gap) for gap in entry.get("gaps", ()))
             info = replace(info, error=entry["error"], lost=entry["lost"],
@@ -294,6 +299,8 @@ def _optional_problem(entry: dict[str, Any], size: int) -> str | None:
         return f"nullable must be a list of column names, got {_clip(nullable)}"
     if not isinstance(entry.get("schema", ""), str):
         return f"schema must be a str, got {_clip(entry['schema'])}"
+    if not _is_count(entry.get("data_bytes", 0)):
+        return f"data_bytes must be an integer >= 0, got {_clip(entry['data_bytes'])}"
     if "error" not in entry:
         return None
     if not isinstance(entry["error"], str) or not _is_count(entry.get("lost")):
@@ -344,7 +351,7 @@ def updated_entries(
         if info.nullable:
             entry["nullable"] = list(info.nullable)
         if info.format == "parquet":
-            entry["schema"] = info.schema
+            entry.update(schema=info.schema, data_bytes=info.data_bytes)
         if info.error is not None:
             entry.update(error=info.error, lost=info.lost, lost_exact=info.lost_exact)
             entry.update({"gaps": [list(gap) for gap in info.gaps]} if info.gaps else {})
@@ -596,7 +603,8 @@ def scan_shard(
         offsets = [0, *itertools.accumulate(row_group_rows(metadata))]
         nullable = _nullable_columns(metadata)
         schema = schema_digest(metadata.schema.to_arrow_schema())
-        return ShardInfo.from_offsets(url, format, offsets, size, version, nullable, schema)
+        data = sum(metadata.row_group(g).total_byte_size for g in range(metadata.num_row_groups))
+        return ShardInfo.from_offsets(url, format, offsets, size, version, nullable, schema, data)
     try:
         offsets = _scan_tar(fs, path, size)
     except TarFormatError as exc:

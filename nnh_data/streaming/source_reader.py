@@ -48,6 +48,9 @@ _READ_BYTES = 8 << 20
 # holds a piece twice while it is parsed (its bytes and their values): 2 MiB instead of 8 MiB
 # took 30-70 MiB off the peak PSS of 2 workers reading 3 KiB samples, at the same CPU per sample
 _LOCAL_TAR_READ_BYTES = 2 << 20
+# what a part holds at most without shuffle (of the 1,024 samples it holds else): a part is
+# assembled before its first sample is handed out (1,024 Parquet rows of 1 MiB: 1 GiB)
+_PART_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -147,10 +150,11 @@ class SourceReader:
         read = functools.partial(self._fetch, read_block, meter.reads(), remote, cached)
         fetched = read_ahead(read, blocks, self.readahead)
         decoded = self._decoded(fetched, rows, fetch, cached, meter)
-        window = self.draws.window
+        window, group = self.draws.window, _part_samples(self.index)
         for piece in pieces:
             positions, pads = ([], 1) if piece.pad else (piece.positions, 0)
-            for part in stages.assemble(decoded, piece.order, positions, window, pads, rows):
+            for part in stages.assemble(decoded, piece.order, positions, window, pads, rows,
+                                        group):  # fmt: skip
                 yield piece, part
 
     def _decoded(
@@ -274,6 +278,13 @@ class SourceReader:
             del payload
         meter.add(DECODE_NS, time.perf_counter_ns() - began)
         return rows.label(out, "__shard__", info.url)
+
+
+def _part_samples(index: ShardIndex) -> int:
+    """Samples per part without shuffle: about ``_PART_BYTES`` of them at the source's
+    average bytes per sample (decoded, for Parquet), 1 to 1,024."""
+    size = sum(max(info.size, info.data_bytes) for info in index.shards)
+    return int(min(stages.GROUP, max(1, _PART_BYTES * index.total_samples // max(1, size))))
 
 
 def _nbytes(info: ShardInfo, payload: object, start: int, stop: int) -> int:
