@@ -37,9 +37,10 @@ from nnh_data.shards.reading import (
 )
 from nnh_data.shards.sources import is_local
 from nnh_data.streaming import stages
+from nnh_data.streaming.duplicate_keys import DuplicateKeys
 from nnh_data.streaming.error_policy import ErrorPolicy
 from nnh_data.streaming.readahead import read_ahead
-from nnh_data.streaming.stats import DECODE_NS, RETRIES, Meter
+from nnh_data.streaming.stats import DECODE_NS, DUPLICATE_KEYS, RETRIES, Meter
 
 __all__ = ["Piece", "SourceReader"]
 
@@ -97,6 +98,7 @@ class SourceReader:
         self.storage_options, self.nullable = storage_options, nullable
         self.readahead, self.cache, self.cache_prefetch = readahead, cache, cache_prefetch
         self._starts = np.concatenate(([0], np.cumsum([i.num_samples for i in index.shards])))
+        self._keys = DuplicateKeys()
 
     def parts(
         self,
@@ -277,7 +279,18 @@ class SourceReader:
             # cycle keeps it, and the read buffers its frames view, until a collection
             del payload
         meter.add(DECODE_NS, time.perf_counter_ns() - began)
+        meter.add(DUPLICATE_KEYS, self._keys.count(info.url, _keys(out)))
         return rows.label(out, "__shard__", info.url)
+
+
+def _keys(rows: stages.Columns) -> list[str]:
+    """The keys of decoded rows, as a list (an Arrow column's too), unreadable rows left out
+    (a block of none has no keys)."""
+    keys = rows.get("__key__", [])
+    keys = keys if isinstance(keys, list) else keys.to_pylist()
+    if stages.SKIPPED in rows:
+        keys = [key for key, skipped in zip(keys, rows[stages.SKIPPED]) if not skipped]
+    return keys
 
 
 def _part_samples(index: ShardIndex) -> int:

@@ -24,8 +24,9 @@ worker and rank than its share (the windows at the ends of its range). Then: sec
 and computing parameters; remote ``gets`` (one per block read from remote storage around a
 cache; the cache's own downloads are its ``cache_misses``), ``retries`` (reads done again),
 this process's cache ``hits``, ``misses`` and ``evictions``, samples ``skipped`` as unreadable,
-and ``wait_s``, the training loop's wait for batches, when the loop reports it (:func:`timed`,
-or ``NNHandler``).
+``duplicate_keys``, samples read whose key a shard read before holds
+(:mod:`nnh_data.streaming.duplicate_keys`), and ``wait_s``, the training loop's wait for
+batches, when the loop reports it (:func:`timed`, or ``NNHandler``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ __all__ = [
     "DECODE_NS",
     "DECODE_SAMPLING",
     "DECODE_USER_NS",
+    "DUPLICATE_KEYS",
     "FIELDS",
     "GETS",
     "PARAMS_NS",
@@ -65,9 +67,10 @@ __all__ = [
 
 FIELDS = ("samples", "bytes", "read_ns", "gets", "decode_ns", "decode_user_ns", "params_ns",
           "wait_ns", "retries", "cache_hits", "cache_misses", "cache_evictions",
-          "handed_out")  # fmt: skip
+          "handed_out", "duplicate_keys")  # fmt: skip
 (SAMPLES, BYTES, READ_NS, GETS, DECODE_NS, DECODE_USER_NS, PARAMS_NS, WAIT_NS, RETRIES,
- CACHE_HITS, CACHE_MISSES, CACHE_EVICTIONS, HANDED_OUT) = range(len(FIELDS))  # fmt: skip
+ CACHE_HITS, CACHE_MISSES, CACHE_EVICTIONS, HANDED_OUT,
+ DUPLICATE_KEYS) = range(len(FIELDS))  # fmt: skip
 _READ_FIELDS = (SAMPLES, BYTES, READ_NS, GETS)  # counted by the fetching threads
 ROWS = 64  # the main process and 63 workers; more workers share rows (a count may be lost)
 DECODE_SAMPLING = 16
@@ -232,8 +235,9 @@ def describe(stats: Mapping[str, float]) -> str:
     Example:
         >>> describe({"handed_out": 1024, "samples": 2048, "bytes": 6_400_000, "read_s": 0.4,
         ...           "decode_s": 1.2, "params_s": 0.1, "wait_s": 0.3, "gets": 0, "retries": 0,
-        ...           "cache_hits": 0, "cache_misses": 0, "cache_evictions": 0, "skipped": 0})
-        'data: 1,024 samples handed out, 2,048 read (6.4 MB); reading 0.40 s, decoding 1.20 s, parameters 0.10 s, loop waiting 0.30 s; 0 GETs, 0 retries; cache 0 hits, 0 misses, 0 evictions; 0 skipped'
+        ...           "cache_hits": 0, "cache_misses": 0, "cache_evictions": 0, "skipped": 0,
+        ...           "duplicate_keys": 0})
+        'data: 1,024 samples handed out, 2,048 read (6.4 MB); reading 0.40 s, decoding 1.20 s, parameters 0.10 s, loop waiting 0.30 s; 0 GETs, 0 retries; cache 0 hits, 0 misses, 0 evictions; 0 skipped; 0 duplicate keys'
     """  # noqa: E501
     s = stats
     return (
@@ -242,5 +246,5 @@ def describe(stats: Mapping[str, float]) -> str:
         f"{s['read_s']:.2f} s, decoding {s['decode_s']:.2f} s, parameters {s['params_s']:.2f} s, "
         f"loop waiting {s['wait_s']:.2f} s; {s['gets']:,} GETs, {s['retries']:,} retries; cache "
         f"{s['cache_hits']:,} hits, {s['cache_misses']:,} misses, {s['cache_evictions']:,} "
-        f"evictions; {s['skipped']:,} skipped"
+        f"evictions; {s['skipped']:,} skipped; {s['duplicate_keys']:,} duplicate keys"
     )
