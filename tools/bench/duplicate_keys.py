@@ -4,9 +4,9 @@ One process, no workers: CPU seconds (``time.process_time``) of epochs over loca
 small samples (200 shards of 500 samples of 256 bytes and a label, shuffled in windows of 4,096,
 per sample and in batches of 256), with the check as it runs against the same epochs with
 ``DuplicateKeys.count`` replaced by one returning 0, rounds alternating. Prints one JSON object:
-``*_with_over_without``, the ratio of the CPU per epoch (best of each, and the range over rounds:
-each round's with over its without, which goes first alternating; on a loaded machine the rounds' spread is
-wider than the check), ``*_count_share``, the CPU inside ``count`` over the epoch's (the
+``*_with_over_without``, the ratio of the CPU per epoch (best of each, and the range over
+rounds: each round's with over its without, which goes first alternating; on a loaded machine
+the rounds' spread is wider than the check), ``*_count_share``, the CPU inside ``count`` over the epoch's (the
 direct figure, best round), and ``count_ns_per_key``, the check's own time per key on shards
 of sorted keys (disjoint ranges) and on copies (every key found).
 
