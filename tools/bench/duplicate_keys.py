@@ -6,9 +6,9 @@ per sample and in batches of 256), with the check as it runs against the same ep
 ``DuplicateKeys.count`` replaced by one returning 0, rounds alternating. Prints one JSON object:
 ``*_with_over_without``, the ratio of the CPU per epoch (best of each, and the range over
 rounds: each round's with over its without, which goes first alternating; on a loaded machine
-the rounds' spread is wider than the check), ``*_count_share``, the CPU inside ``count`` over the epoch's (the
-direct figure, best round), and ``count_ns_per_key``, the check's own time per key on shards
-of sorted keys (disjoint ranges) and on copies (every key found).
+the rounds' spread is wider than the check), ``*_count_share``, the CPU inside ``count`` over
+the epoch's (the direct figure, best round), and ``count_ns_per_key``, the check's own time
+per key on shards of sorted keys (disjoint ranges) and on copies (every key found).
 
     .venv/bin/python tools/bench/duplicate_keys.py [--rounds 5]
 """
