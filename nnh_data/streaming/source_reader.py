@@ -279,18 +279,21 @@ class SourceReader:
             # cycle keeps it, and the read buffers its frames view, until a collection
             del payload
         meter.add(DECODE_NS, time.perf_counter_ns() - began)
-        meter.add(DUPLICATE_KEYS, self._keys.count(info.url, _keys(out)))
+        rows_read, keys = _keys(out, start, stop)
+        meter.add(DUPLICATE_KEYS, self._keys.count(info.url, info.num_samples, rows_read, keys))
         return rows.label(out, "__shard__", info.url)
 
 
-def _keys(rows: stages.Columns) -> list[str]:
-    """The keys of decoded rows, as a list (an Arrow column's too), unreadable rows left out
-    (a block of none has no keys)."""
+def _keys(rows: stages.Columns, start: int, stop: int) -> tuple[slice | np.ndarray, list[str]]:
+    """The samples in the shard (a slice, or their numbers where some were unreadable) and
+    the keys (a list, an Arrow column's too) of the decoded rows of samples ``[start, stop)``."""
     keys = rows.get("__key__", [])
     keys = keys if isinstance(keys, list) else keys.to_pylist()
-    if stages.SKIPPED in rows:
-        keys = [key for key, skipped in zip(keys, rows[stages.SKIPPED]) if not skipped]
-    return keys
+    if stages.SKIPPED not in rows:
+        return slice(start, stop), keys
+    readable = ~np.asarray(rows[stages.SKIPPED], bool)
+    numbers = np.arange(start, stop)[readable]
+    return numbers, [key for key, ok in zip(keys, readable) if ok] if numbers.size else []
 
 
 def _part_samples(index: ShardIndex) -> int:

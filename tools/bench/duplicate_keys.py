@@ -7,8 +7,9 @@ per sample and in batches of 256), with the check as it runs against the same ep
 ``*_with_over_without``, the ratio of the CPU per epoch (best of each, and the range over
 rounds: each round's with over its without, which goes first alternating; on a loaded machine
 the rounds' spread is wider than the check), ``*_count_share``, the CPU inside ``count`` over
-the epoch's (the direct figure, best round), and ``count_ns_per_key``, the check's own time
-per key on shards of sorted keys (disjoint ranges) and on copies (every key found).
+the epoch's (the direct figure, best round; each epoch a new dataset, so every sample is read
+for the first time), and ``count_ns_per_key``, the check's own time per key on shards of
+sorted keys (disjoint ranges): read first, read again, and copies (every key found).
 
     .venv/bin/python tools/bench/duplicate_keys.py [--rounds 5]
 """
@@ -49,20 +50,25 @@ def epoch_cpu(urls: list[str], mode: str, epoch: int) -> float:
     return time.process_time() - started
 
 
-def count_ns(copies: bool) -> float:
-    keys = DuplicateKeys()
-    blocks = [[f"{i:08d}" for i in range(b * 700, (b + 1) * 700)] for b in range(1000)]
-    for i, block in enumerate(blocks):  # 100 shards of 10 blocks
-        keys.count(f"s{i // 10}", block)
+def count_ns(second: str) -> float:
+    """``count``'s CPU per key: 1,000 blocks of 700 sorted keys in 100 shards, read once, then
+    ``second``: again (``again``), or the same keys as other shards (``copies``, every key
+    found), or other keys (``first``)."""
+    keys, size, block = DuplicateKeys(), 7000, 700
+    names = [[f"{i:08d}" for i in range(b * block, (b + 1) * block)] for b in range(2000)]
+    rows = [slice(b % 10 * block, (b % 10 + 1) * block) for b in range(1000)]
+    for b in range(1000):
+        REAL_COUNT(keys, f"s{b // 10}", size, rows[b], names[b])
     started = time.process_time()
-    for i, block in enumerate(blocks):
-        keys.count(f"copy{i // 10}" if copies else f"s{i // 10}", block)
-    return (time.process_time() - started) / (700 * len(blocks)) * 1e9
+    for b in range(1000):
+        url = {"again": "s", "copies": "copy", "first": "t"}[second] + str(b // 10)
+        REAL_COUNT(keys, url, size, rows[b], names[b + 1000 if second == "first" else b])
+    return (time.process_time() - started) / (block * 1000) * 1e9
 
 
-def timed(keys: DuplicateKeys, inside: list[float], url: str, block: list[str]) -> int:
+def timed(keys: DuplicateKeys, inside: list[float], *args) -> int:
     started = time.process_time()
-    found = REAL_COUNT(keys, url, block)
+    found = REAL_COUNT(keys, *args)
     inside[0] += time.process_time() - started
     return found
 
@@ -84,7 +90,7 @@ def main() -> None:
                 for check in (False, True) if r % 2 == 0 else (True, False):
                     inside = [0.0]
                     DuplicateKeys.count = (functools.partialmethod(timed, inside) if check
-                                           else lambda self, url, keys: 0)  # fmt: skip
+                                           else lambda self, *args: 0)  # fmt: skip
                     (with_ if check else without).append(epoch_cpu(urls, mode, r))
                     if check:
                         shares.append(inside[0] / with_[-1])
@@ -94,7 +100,7 @@ def main() -> None:
             out[f"{mode}_count_share"] = round(min(shares), 4)
             per_sample = min(without) / (SHARDS * PER_SHARD)
             out[f"{mode}_us_per_sample_without"] = round(per_sample * 1e6, 2)
-    out["count_ns_per_key"] = {"disjoint": round(count_ns(False)), "copies": round(count_ns(True))}
+    out["count_ns_per_key"] = {s: round(count_ns(s), 1) for s in ("first", "again", "copies")}
     print(json.dumps(out))
 
 
