@@ -87,7 +87,8 @@ INDEX_VERSION = 3
 # listing fields that identify a file's content, most specific first (S3, GCS, Azure, local, ...)
 _VERSION_FIELDS = ("VersionId", "ETag", "generation", "etag", "mtime", "LastModified",
                    "last_modified", "updated", "created")  # fmt: skip
-_PARQUET_KEYS = {"schema", "data_bytes"}  # kept since version 3 was first written
+# kept since version 3 was first written: entries without them are indexed again
+_COLUMNAR_KEYS = {"parquet": {"schema", "data_bytes"}, "arrow": {"schema"}, "tar": set()}
 _UNITS = {"tar": 512, "parquet": 1, "arrow": 1}  # tar offsets are whole 512-byte blocks
 
 
@@ -99,7 +100,7 @@ class ShardInfo:
     build a ShardInfo from offsets with :meth:`from_offsets`. ``size`` is the file size in
     bytes when indexed and ``version`` what identified its content then (:func:`file_version`);
     ``nullable`` names the Parquet and Arrow columns that hold nulls (or lack statistics to
-    tell), ``schema`` is a digest of a Parquet shard's column names and types
+    tell), ``schema`` is a digest of a Parquet or Arrow shard's column names and types
     (:func:`schema_digest`) and ``data_bytes`` the bytes its footer declares its rows hold once
     decompressed (-1: unknown), which bound the rows read at once.
     A shard indexed with ``on_error="skip"`` despite damage has ``error`` set (what was wrong),
@@ -244,7 +245,7 @@ def cached_infos(
         entry = entries.get(key)
         if not isinstance(entry, dict) or (
             entry.get("format"), entry.get("size"), entry.get("version")
-        ) != (format, size, version) or format == "parquet" and not _PARQUET_KEYS <= entry.keys():
+        ) != (format, size, version) or not _COLUMNAR_KEYS[format] <= entry.keys():
             infos.append(None)  # new, changed, or indexed before schemas and sizes were kept
             continue
         problem = entry_problem(entry, size)
@@ -352,6 +353,8 @@ def updated_entries(
             entry["nullable"] = list(info.nullable)
         if info.format == "parquet":
             entry.update(schema=info.schema, data_bytes=info.data_bytes)
+        elif info.format == "arrow":
+            entry["schema"] = info.schema
         if info.error is not None:
             entry.update(error=info.error, lost=info.lost, lost_exact=info.lost_exact)
             entry.update({"gaps": [list(gap) for gap in info.gaps]} if info.gaps else {})
@@ -592,8 +595,9 @@ def scan_shard(
         except (pa.ArrowException, OSError) as exc:
             what = _content(fs, path, "Arrow IPC") or f"unreadable Arrow IPC file ({exc})"
             raise ShardError(url, "header", what) from exc
-        nullable = null_columns(table)
-        return ShardInfo.from_offsets(url, format, arrow_offsets(table), size, version, nullable)
+        nullable, schema = null_columns(table), schema_digest(table.schema)
+        return ShardInfo.from_offsets(url, format, arrow_offsets(table), size, version, nullable,
+                                      schema)  # fmt: skip
     if format == "parquet":
         try:
             metadata = pq.read_metadata(path, filesystem=fs)
@@ -672,11 +676,12 @@ def schema_digest(schema: pa.Schema) -> str:
 
 
 def check_schemas(fs: AbstractFileSystem, paths: Sequence[str], infos: Sequence[ShardInfo]) -> None:
-    """A column that several Parquet shards hold has one type in all of them (a column all
-    null in a shard, of type null there, fits any type): otherwise its samples would have
-    several types and batches mix them. A shard may lack columns others have (its samples
-    then lack them too). A ``ValueError`` names the column and two shards that differ. Only
-    the first shard of each schema digest is read (its footer), and only when digests differ."""
+    """A column that several Parquet or Arrow shards hold has one type in all of them (a
+    column all null in a shard, of type null there, fits any type): otherwise its samples
+    would have several types and batches mix them. A shard may lack columns others have (its
+    samples then lack them too). A ``ValueError`` names the column and two shards that differ.
+    Only the first shard of each schema digest is read (its footer, or an Arrow file's schema),
+    and only when digests differ."""
     firsts: dict[str, int] = {}
     for i, info in enumerate(infos):
         if info.schema:
@@ -686,14 +691,20 @@ def check_schemas(fs: AbstractFileSystem, paths: Sequence[str], infos: Sequence[
     known: dict[str, tuple[pa.DataType, str]] = {}  # column: its type, and a shard holding it
     for i in firsts.values():
         url = infos[i].url
-        for field in pq.read_schema(paths[i], filesystem=fs):
+        for field in _schema(fs, paths[i], infos[i].format):
             have, other = known.get(field.name, (pa.null(), url))
             if pa.types.is_null(have):
                 known[field.name] = field.type, url
             elif field.type != have and not pa.types.is_null(field.type):
-                raise ValueError(f"Parquet shards differ in column {field.name!r}: {other} "
+                raise ValueError(f"shards differ in column {field.name!r}: {other} "
                                  f"holds {have}, {url} holds {field.type}; a column needs one "
                                  "type in every shard (cast it when writing them)")  # fmt: skip
+
+
+def _schema(fs: AbstractFileSystem, path: str, format: str) -> pa.Schema:
+    if format == "parquet":
+        return pq.read_schema(path, filesystem=fs)
+    return open_ipc(fs, path).schema
 
 
 def row_group_rows(metadata: pq.FileMetaData) -> list[int]:

@@ -1,7 +1,8 @@
 """Hostile Parquet shards: shards whose column types differ are named when indexed (the shards
-and the column), never read as samples or batches of mixed types; a row group is decoded in
-bounded slices, each row once, however big it is; a value over the stated limit is a
-ShardError naming the shard, the row group and the column."""
+and the column; Arrow IPC shards too, and Parquet and Arrow ones mixed), never read as samples
+or batches of mixed types; a row group is decoded in bounded slices, each row once, however big
+it is; a value over the stated limit is a ShardError naming the shard, the row group and the
+column."""
 
 from __future__ import annotations
 
@@ -25,14 +26,22 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _write(path, **columns) -> str:
-    pq.write_table(pa.table(columns), path)
+    """A Parquet file, or an Arrow IPC file where ``path`` ends in ``.arrow``."""
+    table = pa.table(columns)
+    if path.suffix == ".arrow":
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+    else:
+        pq.write_table(table, path)
     return str(path)
 
 
+@pytest.mark.parametrize("formats", ["parquet", "arrow", "parquet+arrow"])
 @pytest.mark.parametrize("mode", ["index", "samples", "batches"])
-def test_shards_whose_column_types_differ_are_named(mode, tmp_path):
-    a = _write(tmp_path / "p-0.parquet", id=pa.array([1, 2], pa.int64()), text=["a", "b"])
-    b = _write(tmp_path / "p-1.parquet", id=["3", "4"], text=["c", "d"])
+def test_shards_whose_column_types_differ_are_named(mode, formats, tmp_path):
+    first, _, second = formats.partition("+")
+    a = _write(tmp_path / f"p-0.{first}", id=pa.array([1, 2], pa.int64()), text=["a", "b"])
+    b = _write(tmp_path / f"p-1.{second or first}", id=["3", "4"], text=["c", "d"])
     message = f"column 'id': {a} holds int64, {b} holds string"
     with pytest.raises(ValueError, match=message):
         if mode == "index":

@@ -44,7 +44,7 @@ def _edit(sidecar, name: str, change: dict) -> None:
     sidecar.write_text(json.dumps(saved))
 
 
-@pytest.mark.parametrize("fmt", ["tar", "parquet"])
+@pytest.mark.parametrize("fmt", ["tar", "parquet", "arrow"])
 @pytest.mark.parametrize("edit", EDITS)
 def test_an_edited_entry_is_indexed_again_with_a_warning(fmt, edit, shards, tmp_path):
     urls = shards(fmt, [4, 5, 3])
