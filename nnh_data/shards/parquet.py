@@ -32,7 +32,13 @@ import pyarrow.parquet as pq
 
 from nnh_data.columns import Columns
 from nnh_data.errors import ShardError, StaleIndexError
-from nnh_data.shards.columnar import BATCH_ROWS, arrow_columns, value_columns, with_keys
+from nnh_data.shards.columnar import (
+    BATCH_ROWS,
+    arrow_columns,
+    is_long,
+    value_columns,
+    with_keys,
+)
 from nnh_data.shards.index import ShardInfo, row_group_rows
 from nnh_data.shards.retries import remote_fs
 
@@ -86,12 +92,13 @@ class ParquetReader:
         self, info: ShardInfo, start: int, stop: int, file: BinaryIO | None
     ) -> Columns:
         nullable = frozenset(info.nullable) if self.nullable is None else self.nullable
-        batches = self._rows(info, file).take(start, stop)
+        rows = self._rows(info, file)
+        batches = rows.take(start, stop)
         if not self.arrow:
             return value_columns(info, batches, 0, stop - start, nullable)
         parquet = self._open[1]
         table = pa.Table.from_batches(batches) if batches else parquet.schema_arrow.empty_table()
-        return arrow_columns(info, table, 0, stop - start, nullable)
+        return arrow_columns(info, table, 0, stop - start, nullable, rows.long)
 
     def _rows(self, info: ShardInfo, file: BinaryIO | None) -> _Rows:
         """The row cursor of the open file of ``info`` (the last one is kept), its footer
@@ -142,6 +149,7 @@ class _Rows:
         self._at = 0  # the first row of the held batch, or of the next one
         self._held: pa.RecordBatch | None = None  # a batch decoded but not read to its end
         self._started = False
+        self.long: set[str] = set()  # the columns the last read keeps as views (is_long)
 
     def take(self, start: int, stop: int) -> list[pa.RecordBatch]:
         """Rows ``[start, stop)`` as slices of the decoded batches."""
@@ -150,9 +158,11 @@ class _Rows:
             self._batches, self._held, self._started = None, None, True
             self._next_group, self._at = group, int(self.info.offsets[group])
         self._last = _group_of(self.info, max(start, stop - 1))
-        out = []
+        out, self.long = [], set()
         while self._at < stop:
             batch = self._held if self._held is not None else self._decoded()
+            self.long.update(name for name, column in zip(batch.schema.names, batch.columns)
+                             if is_long(column))  # of whole batches: slices cannot tell
             end = self._at + batch.num_rows
             if end > start:
                 low = max(start, self._at) - self._at
