@@ -7,8 +7,9 @@ nnh-data convert hf_saved/train "shards/train-%06d.tar"   # a datasets save_to_d
 nnh-data cache warm "s3://bucket/train-*.tar" --cache-dir /local/cache --world-size 8 --ranks 0-3
 nnh-data cache stats /local/cache --json
 
-Errors are one line on stderr and exit status 2; an index that cannot be saved is an error
-(pass --index-path to write it elsewhere).
+Errors are one line on stderr and exit status 2, whatever raised them (a storage endpoint that
+cannot be reached too); an index that cannot be saved is an error (pass --index-path to write
+it elsewhere).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 from nnh_data.cache.policy import read_schedule
 from nnh_data.cache.store import ShardCache
-from nnh_data.errors import ShardError
+from nnh_data.command_line import OneLineParser, error_line
 from nnh_data.order.epoch import UNEVEN
 from nnh_data.order.ranges import DistributedRangeSplitter
 from nnh_data.precompute.job_array import array_task_info
@@ -54,8 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.filterwarnings("error", message="could not save the shard index")
             warnings.filterwarnings("ignore", message="wrote the shard index")  # printed below
             result = args.run(args)
-    except (ValueError, OSError, ShardError, UserWarning) as exc:
-        parser.exit(2, f"nnh-data: error: {exc}\n")
+    except Exception as exc:  # noqa: BLE001 - every error is one line (command_line)
+        parser.exit(2, error_line(parser.prog, exc))
     print(args.report(result, time.perf_counter() - started))
     return 0
 
@@ -73,7 +74,7 @@ def _storage_options(text: str) -> dict:
 def _common(default: object) -> argparse.ArgumentParser:
     """The options every command takes, before or after the command name (after it, the
     default is suppressed so that a value given before it is kept)."""
-    common = argparse.ArgumentParser(add_help=False)
+    common = OneLineParser(add_help=False)
     common.add_argument(
         "--storage-options", type=_storage_options, default=default, help="fsspec options (JSON)"
     )
@@ -81,7 +82,7 @@ def _common(default: object) -> argparse.ArgumentParser:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="nnh-data", description=__doc__.splitlines()[0].replace("``", ""),
         parents=[_common(None)],
     )  # fmt: skip

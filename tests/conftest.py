@@ -149,10 +149,23 @@ def s3_proxy(moto_s3: S3Server) -> Iterator[S3Proxy]:
 
 @pytest.fixture
 def shards(tar_shards, parquet_shards) -> Callable[[str, list[int]], list[str]]:
-    """``shards(format, counts) -> urls``: ``tar_shards(counts)`` or ``parquet_shards(counts,
-    row_group_size=3)`` (several row groups per file)."""
+    """``shards(format, counts) -> urls``: ``tar_shards(counts)``, ``parquet_shards(counts,
+    row_group_size=3)`` (several row groups per file), or for ``"arrow"`` those Parquet files'
+    rows as Arrow IPC files of record batches of 3 rows."""
 
     def make(fmt: str, counts: list[int]) -> list[str]:
-        return tar_shards(counts) if fmt == "tar" else parquet_shards(counts, row_group_size=3)
+        if fmt == "tar":
+            return tar_shards(counts)
+        urls = parquet_shards(counts, row_group_size=3)
+        if fmt == "parquet":
+            return urls
+        arrow = [url.replace(".parquet", ".arrow") for url in urls]
+        for url, path in zip(urls, arrow):
+            table = pq.read_table(url)
+            with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                for batch in table.to_batches(3):
+                    writer.write_batch(batch)
+            os.remove(url)
+        return arrow
 
     return make

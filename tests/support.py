@@ -385,14 +385,16 @@ class _Rule:
     path: str
     method: str | None
     requests: frozenset[int] | None
+    until: float = float("inf")  # time.monotonic() after which the rule no longer applies
     seen: int = 0
 
     def applies(self, method: str, path: str) -> bool:
-        """Count a matching request; True when this one is among ``requests``."""
+        """Count a matching request; True when this one is among ``requests`` (and in time)."""
         if self.path not in path or self.method not in (None, method):
             return False
         self.seen += 1
-        return self.requests is None or self.seen in self.requests
+        in_time = time.monotonic() < self.until
+        return in_time and (self.requests is None or self.seen in self.requests)
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -424,6 +426,7 @@ class S3Proxy:
 
         proxy.inject(Fault.slow_down(), path="shard-000001", requests=[1, 2, 3])
         proxy.inject(Fault.error(500), path="shard-000004")  # every GET of it: always fails
+        proxy.inject(Fault.slow_down(), seconds=12)  # every GET for 12 s: a burst
     """
 
     def __init__(
@@ -458,13 +461,16 @@ class S3Proxy:
         path: str = "",
         requests: Collection[int] | None = None,
         method: str | None = "GET",
+        seconds: float | None = None,
     ) -> None:
         """Apply ``fault`` to the ``requests``-th requests (1-based; None: every one) of
-        ``method`` (None: any) whose path contains ``path``, counted from now. A request takes
+        ``method`` (None: any) whose path contains ``path``, counted from now, and for
+        ``seconds`` from now (None: for ever; a burst of throttling, say). A request takes
         the fault of the first rule that applies; every matching rule counts it."""
         numbers = None if requests is None else frozenset(requests)
+        until = float("inf") if seconds is None else time.monotonic() + seconds
         with self._lock:
-            self._rules.append(_Rule(fault, path, method, numbers))
+            self._rules.append(_Rule(fault, path, method, numbers, until))
 
     def reset(self) -> None:
         """Zero the counters and the log, and drop the injected faults."""
@@ -606,10 +612,17 @@ def _proxy_handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
                 sent += len(chunk)
 
         def _send(self, chunk: bytes, counted, path: str) -> None:
+            """Counted before it is written: a client that has the bytes sees them counted
+            (counted after, a loaded machine let the test read the counter first)."""
             proxy._throttle(len(chunk))
-            self.wfile.write(chunk)
             if counted is not None:
                 proxy._count(counted, path, len(chunk))
+            try:
+                self.wfile.write(chunk)
+            except OSError:
+                if counted is not None:
+                    proxy._count(counted, path, -len(chunk))  # not sent after all
+                raise
 
         def _break(self, fault: Fault) -> bool:
             """Apply a mid-body fault; True when the response ends here."""

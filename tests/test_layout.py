@@ -15,7 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
-    {"errors", "checks", "atomic", "packed", "seeding", "topology", "resplit_guard"},
+    {"errors", "checks", "atomic", "packed", "seeding", "topology", "resplit_guard",
+     "command_line"},
     {"columns"},
     {"order"},
     {"augment"},

@@ -79,6 +79,10 @@ _REPEATED = (
     "samples were consumed more often than the plan holds: a batch consumed twice, or an "
     "epoch replayed from its start after a restart (restore the loader's state_dict)"
 )
+_TIMES = (
+    "every sample of the plan was consumed {k} times: each batch given to audit.update() {k} "
+    "times, or {k} passes over the loader before one audit.verify() (verify once per pass)"
+)
 _BOTH = (
     "samples were both missing and repeated: the loop consumed batches of another epoch, "
     "seed or dataset than the one audited (set_epoch on the dataset the loader reads), or a "
@@ -288,7 +292,7 @@ class EpochAudit:
         row.update(error=int(error is not None), **self._plan.layout(), consumed=self._consumed,
                    pads=self._pads, planned=plan[0], planned_pads=plan[1], batches=self._batches,
                    max_batch=self._max_batch, skipped=self._plan.skipped() - self._skipped_before,
-                   **_local_counts(local))  # fmt: skip
+                   **_local_counts(local, self._consumed - plan[0]))  # fmt: skip
         self._skipped_before += row["skipped"]
         cells, table = self._all_reduce(self._sketch.cells, row, rank, world)
         if table[:, _ROW.index("error")].any():
@@ -507,10 +511,10 @@ def _column(batches: list[Mapping[str, Any]], key: str) -> np.ndarray | None:
     return np.concatenate([_as_array(b[key]) for b in batches])
 
 
-def _local_counts(diff: SketchDifference) -> dict[str, int]:
-    unknown = _UNKNOWN
-    return {"missing": unknown if diff.missing_count is None else diff.missing_count,
-            "repeated": unknown if diff.extra_count is None else diff.extra_count,
+def _local_counts(diff: SketchDifference, net: int) -> dict[str, int]:
+    missing, repeated = _totals(diff, net)
+    return {"missing": _UNKNOWN if missing is None else missing,
+            "repeated": _UNKNOWN if repeated is None else repeated,
             "exact": int(diff.exact)}  # fmt: skip
 
 
@@ -525,10 +529,10 @@ def _totals(diff: SketchDifference, net: int) -> tuple[int | None, int | None]:
         return diff.missing_count, diff.extra_count
     if diff.missing_count is None:
         return (-net, 0) if net < 0 else (None, None)
-    if not diff.extra:  # none named among the sampled strata: take the net as all missing
+    if not diff.extra or not diff.missing:  # one kind named alone: the net is all of that kind
         return max(-net, 0), max(net, 0)
-    repeated = max(0, round((diff.missing_count + diff.extra_count + net) / 2))
-    return repeated - net, repeated
+    repeated = max(0, net, round((diff.missing_count + diff.extra_count + net) / 2))
+    return repeated - net, repeated  # neither below 0, and they differ by the exact net
 
 
 def _cause(
@@ -559,7 +563,19 @@ def _cause(
         return f"the ranks consumed {pads:,} pads where the plan holds {planned_pads:,}"
     if missing and repeated:
         return _BOTH
-    return _REPEATED if missing == skipped else _MISSING
+    if missing == skipped:
+        k = _times_over(col)
+        return _REPEATED if k is None else _TIMES.format(k=k)
+    return _MISSING
+
+
+def _times_over(col: dict[str, np.ndarray]) -> int | None:
+    """k when every rank consumed its whole plan exactly k >= 2 times, else None."""
+    consumed, planned = col["consumed"], col["planned"]
+    if not planned.all() or (consumed % planned).any():
+        return None
+    times = set((consumed // planned).tolist())
+    return times.pop() if len(times) == 1 and min(times) >= 2 else None
 
 
 def _second_cut(col: dict[str, np.ndarray], world: int) -> bool:

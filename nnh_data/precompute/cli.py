@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nnh_data.augment.params import AugmentationConfig, get_preset, list_presets
+from nnh_data.command_line import OneLineParser, error_line
 from nnh_data.precompute.job_array import array_task_info
 from nnh_data.precompute.read import load_precomputed_params
 from nnh_data.precompute.spec import MANIFEST_NAME, PrecomputeSpec
@@ -50,21 +51,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(done.code or 0)
     try:
         return _COMMANDS[command][0](args)
-    except (ValueError, OSError) as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 1 if command == "verify" else 2
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage block
-        self.exit(2, f"{self.prog}: error: {message} (see {PROG} --help)\n")
+    except Exception as err:  # noqa: BLE001 - every error is one line (command_line)
+        sys.stderr.write(error_line(PROG, err))
+        return 1 if command == "verify" and isinstance(err, (ValueError, OSError)) else 2
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
     help_text, add_arguments = _COMMANDS[command][1:]
     prog = PROG if command == "write" else f"{PROG} {command}"
     others = ", ".join(f"{PROG} {name} -h" for name in _COMMANDS if name != "write")
-    parser = _Parser(prog=prog, description=help_text, epilog=f"other commands: {others}")
+    parser = OneLineParser(prog=prog, description=help_text, epilog=f"other commands: {others}")
     add_arguments(parser)
     return parser
 

@@ -2,13 +2,21 @@
 
 Files are mapped when a lookup first needs them (the last 64 stay mapped) and values gathered
 from views of their pages (:mod:`nnh_data.precompute.views`): the table is never read whole,
-and every worker of a node shares the page cache.
+and every worker of a node shares the page cache. A changed file is an error, never other
+numbers: at open every file must have its listed size; when a file is first mapped in a
+process its footer must describe this table; and when a row group is first used, its value
+pages must have the CRC-32 their headers record (about 1 ms a row group of 65,536 rows, once
+per process: a flipped byte anywhere in the values is found before a value of that group is
+returned). A table written before page checksums has its file's sha256 checked against the
+manifest instead, when the file is first mapped.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +36,7 @@ from nnh_data.precompute.spec import (
     read_manifest,
     row_groups,
 )
-from nnh_data.precompute.views import column_views, map_file
+from nnh_data.precompute.views import column_views, map_file, page_checksums
 from nnh_data.seeding import as_sample_ids
 
 __all__ = ["PrecomputedParams", "load_precomputed_params"]
@@ -53,7 +61,7 @@ def load_precomputed_params(directory: str | os.PathLike) -> PrecomputedParams:
     directory = Path(directory)
     spec, receipts = read_manifest(directory)
     check_sizes(directory, receipts)
-    return PrecomputedParams(directory, spec)
+    return PrecomputedParams(directory, spec, [receipt["sha256"] for receipt in receipts])
 
 
 class PrecomputedParams:
@@ -76,16 +84,19 @@ class PrecomputedParams:
         True
     """
 
-    def __init__(self, directory: str | os.PathLike, spec: PrecomputeSpec) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, spec: PrecomputeSpec, digests: Sequence[str]
+    ) -> None:
         self.directory = Path(directory)
         self.spec = spec
+        self.digests = list(digests)  # each file's sha256, from the manifest
         self._groups = functools.lru_cache(maxsize=_OPEN_FILES)(self._map_groups)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"directory": self.directory, "spec": self.spec}
+        return {"directory": self.directory, "spec": self.spec, "digests": self.digests}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["directory"], state["spec"])
+        self.__init__(state["directory"], state["spec"], state["digests"])
 
     def __repr__(self) -> str:
         return f"PrecomputedParams({str(self.directory)!r}, {self.spec})"
@@ -105,7 +116,7 @@ class PrecomputedParams:
         names = self.spec.value_columns()
         out = {name: np.empty(len(ids), VALUE_TYPES.get(name, np.float64)) for name in names}
         for (file_index, group_index), where, offset in self._locate(location):
-            columns = self._groups(file_index)[group_index]
+            columns = self._groups(file_index).group(group_index)
             for name in names:
                 out[name][where] = columns[name][offset]
         return {
@@ -159,9 +170,10 @@ class PrecomputedParams:
             )
         return self.spec.first_row(epoch, rank)
 
-    def _map_groups(self, file_index: int) -> list[dict[str, np.ndarray]]:
-        """Per row group of a file, its value columns as views of the memory-mapped file,
-        checked against the table's description and layout."""
+    def _map_groups(self, file_index: int) -> _MappedFile:
+        """A file's row groups, their value columns as views of the memory-mapped file,
+        checked against the table's description and layout (and, for a file without page
+        checksums, its bytes against the manifest's sha256)."""
         path = self.directory / self.spec.file_name(file_index)
         data = map_file(str(path))
         found = file_spec(pq.ParquetFile(pa.BufferReader(data)), path)
@@ -175,7 +187,12 @@ class PrecomputedParams:
                 f"{path} has row groups of {sizes} rows, the table needs {len(rows)} "
                 f"rows in groups of {ROWS_PER_GROUP}"
             )
-        return groups
+        checksums = page_checksums(data, self.spec.value_columns())
+        if any(crc is None for group in checksums for crc in group.values()):
+            if hashlib.sha256(data).hexdigest() != self.digests[file_index]:
+                raise ValueError(f"{path}: {_CHANGED}")
+            checksums = None  # checked whole
+        return _MappedFile(path, groups, checksums)
 
     def check_covers(
         self,
@@ -216,3 +233,32 @@ class PrecomputedParams:
             raise ValueError(f"rank_aware={rank_aware} but {source} is {kind}")
         if rank_aware and world_size != spec.world_size:
             raise ValueError(f"world_size {world_size} differs from {source}'s {spec.world_size}")
+
+
+_CHANGED = (
+    "its bytes differ from what was written (the manifest's sha256, or a page checksum): the "
+    "file changed or was damaged after it was written; write the table again and check it "
+    "with `nnh-precompute verify`"
+)
+
+
+class _MappedFile:
+    """A mapped file's row groups (value columns as views), each checked against the CRC-32
+    of its pages when first used (``checksums`` None: the file was checked whole)."""
+
+    def __init__(
+        self, path: Path, groups: list[dict[str, np.ndarray]],
+        checksums: list[dict[str, int | None]] | None,
+    ) -> None:  # fmt: skip
+        self.path, self.groups, self.checksums = path, groups, checksums
+        self._checked: set[int] = set()
+
+    def group(self, number: int) -> dict[str, np.ndarray]:
+        columns = self.groups[number]
+        if self.checksums is not None and number not in self._checked:
+            for name, view in columns.items():
+                if zlib.crc32(view) != self.checksums[number][name]:
+                    raise ValueError(f"{self.path}: row group {number}, column {name}: "
+                                     f"{_CHANGED}")  # fmt: skip
+            self._checked.add(number)
+        return columns

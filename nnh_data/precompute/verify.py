@@ -1,5 +1,6 @@
-"""Checking a finished parameter table against the generator: every (or a sampled share of the)
-file's rows recomputed and compared, and its bytes against the receipt's sha256.
+"""Checking a finished parameter table against the generator: every file's size and footer,
+then every (or a sampled share of the) file's rows recomputed and compared, and its bytes
+against the receipt's sha256.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nnh_data.precompute.spec import PrecomputeSpec, file_spec, read_manifest
+from nnh_data.precompute.spec import PrecomputeSpec, check_sizes, file_spec, read_manifest
 from nnh_data.precompute.views import map_file
 
 __all__ = ["verify_precomputed_params"]
@@ -25,11 +26,13 @@ def verify_precomputed_params(directory: str | os.PathLike, fraction: float = 1.
     number of rows recomputed.
 
     Every file is checked to be listed and present, and no other Parquet file to lie beside
-    them. Then every row of the files checked (all, or ``fraction`` of them
-    chosen at random, at least one) is read with plain pyarrow and compared bit for bit with
-    a fresh computation: keys first (each sample id, epoch and rank exactly once, in order),
-    then values, then the file's sha256. The first difference raises ``ValueError`` naming the
-    file, row, column, expected and found values.
+    them. Then every row of the files checked (all, or ``fraction`` of them chosen at random,
+    at least one) is read with plain pyarrow and compared bit for bit with a fresh
+    computation: keys first (each sample id, epoch and rank exactly once, in order), then
+    values, then the file's sha256; each other file is checked to have its listed size and a
+    footer that describes this table and its rows (cheap: a sampled check still finds a
+    truncated or replaced file). The first difference raises ``ValueError`` naming the file,
+    row, column, expected and found values.
 
     Example:
         >>> import tempfile
@@ -49,17 +52,29 @@ def verify_precomputed_params(directory: str | os.PathLike, fraction: float = 1.
             "of the directory would read it too)"
         )
     count = max(1, math.ceil(fraction * spec.num_files))
-    chosen = sorted(random.sample(range(spec.num_files), count))
-    return sum(_verify_file(directory, spec, i, receipts[i]) for i in chosen)
+    chosen = set(random.sample(range(spec.num_files), count))
+    rows = 0
+    for i, receipt in enumerate(receipts):
+        if i in chosen:
+            rows += _verify_file(directory, spec, i, receipt)
+        else:
+            check_sizes(directory, [receipt])
+            with _opened(directory / receipt["name"], spec, receipt):
+                pass
+    return rows
 
 
 def _parquet_names(directory: Path) -> list[str]:
     return [n for n in os.listdir(directory) if n.endswith(".parquet") and n[0] not in "._"]
 
 
-def _verify_file(directory: Path, spec: PrecomputeSpec, index: int, receipt: dict) -> int:
-    path = directory / receipt["name"]
-    file = pq.ParquetFile(path)
+def _opened(path: Path, spec: PrecomputeSpec, receipt: dict) -> pq.ParquetFile:
+    """The file at ``path`` opened (a context manager), its footer checked against the table:
+    description, columns and rows."""
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"{path}: no readable Parquet footer ({exc})") from None
     found = file_spec(file, path)
     if found != spec:
         raise ValueError(f"{path} belongs to another table ({found.differences(spec)})")
@@ -72,12 +87,18 @@ def _verify_file(directory: Path, spec: PrecomputeSpec, index: int, receipt: dic
             f"{path} holds {file.metadata.num_rows} rows, the table needs {receipt['rows']} "
             "(a missing or duplicated row)"
         )
+    return file
+
+
+def _verify_file(directory: Path, spec: PrecomputeSpec, index: int, receipt: dict) -> int:
+    path = directory / receipt["name"]
     start, row = spec.file_rows(index).start, 0
-    for group in range(file.num_row_groups):
-        table = file.read_row_group(group)
-        expected = spec.generate(range(start + row, start + row + table.num_rows))
-        _compare(path.name, row, expected, table)
-        row += table.num_rows
+    with _opened(path, spec, receipt) as file:
+        for group in range(file.num_row_groups):
+            table = file.read_row_group(group)
+            expected = spec.generate(range(start + row, start + row + table.num_rows))
+            _compare(path.name, row, expected, table)
+            row += table.num_rows
     digest = hashlib.sha256(map_file(str(path))).hexdigest()
     if digest != receipt["sha256"]:
         raise ValueError(

@@ -15,7 +15,7 @@ packed).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,13 +28,21 @@ from nnh_data.packed import as_views
 if TYPE_CHECKING:  # the index imports the Arrow reader, which imports this
     from nnh_data.shards.index import ShardInfo
 
-__all__ = ["BATCH_ROWS", "arrow_columns", "preload_conversions", "value_columns", "with_keys"]
+__all__ = [
+    "BATCH_ROWS",
+    "VIEW_BYTES",
+    "arrow_columns",
+    "is_long",
+    "preload_conversions",
+    "value_columns",
+    "with_keys",
+]
 
 BATCH_ROWS = 256  # rows converted to Python values at a time: they stay in cache
 # bytes per value above which text and bytes are kept as views (joining the decoded chunks
 # and a shuffle's take then copy 16 bytes per value, not the value); shorter values are
 # joined by copying (cheaper than Arrow's cast to views, and than packing views back)
-_VIEW_BYTES = 64
+VIEW_BYTES = 64
 
 
 def preload_conversions() -> None:
@@ -46,11 +54,20 @@ def preload_conversions() -> None:
 
 
 def arrow_columns(
-    info: ShardInfo, table: pa.Table, skip: int, rows: int, nullable: frozenset
+    info: ShardInfo,
+    table: pa.Table,
+    skip: int,
+    rows: int,
+    nullable: frozenset,
+    long: Collection[str] | None = None,
 ) -> Columns:
     """``rows`` rows of ``table`` after the first ``skip``, for batches: numpy for numeric
-    columns not in ``nullable``, one Arrow array for each other column."""
-    long = {name for name, column in zip(table.column_names, table.columns) if _is_long(column)}
+    columns not in ``nullable``, one Arrow array for each other column; text and bytes kept
+    as views where ``long`` names them (default: where ``table``'s chunks hold over
+    ``VIEW_BYTES`` a value, which slices of larger chunks cannot tell)."""
+    if long is None:
+        long = {name for name, column in zip(table.column_names, table.columns)
+                if is_long(column)}  # fmt: skip
     table = table.slice(skip, rows)
     return {name: _values(info, name, column, name in nullable, True, name in long)
             for name, column in zip(table.column_names, table.columns)}  # fmt: skip
@@ -87,11 +104,11 @@ def with_keys(info: ShardInfo, columns: Columns, start: int, stop: int) -> Colum
     return columns
 
 
-def _is_long(column: pa.ChunkedArray) -> bool:
-    """Whether the decoded ``column`` (not sliced) holds over ``_VIEW_BYTES`` per value, told by
+def is_long(column: pa.Array | pa.ChunkedArray) -> bool:
+    """Whether the decoded ``column`` (not sliced) holds over ``VIEW_BYTES`` per value, told by
     its buffers' sizes, not by ``nbytes``, which finds the bytes each chunk references (~20 us a
     column, as much as joining it)."""
-    return column.get_total_buffer_size() > _VIEW_BYTES * len(column)
+    return column.get_total_buffer_size() > VIEW_BYTES * len(column)
 
 
 def _values(

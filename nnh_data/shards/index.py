@@ -6,7 +6,13 @@ version, sample count and seek positions. The version is what the filesystem's l
 identifies this content of the file (an object store's ETag or version id, else the
 modification time): an entry is reused only while size and version are unchanged, because a
 rewritten tar keeps its size more often than not (tar pads to 10 KiB records). So a sidecar
-serves several shard sets in one folder and a rebuild re-scans only what changed.
+serves several shard sets in one folder and a rebuild re-scans only what changed. An entry is
+checked as strictly as a resume state before it is used (types, ranges, its count against its
+seek positions; one of no sample by a scan, which costs nothing for a shard that is empty): one
+that is no valid index of its shard (a hand-edited sidecar) is indexed again, with a warning
+naming the sidecar and the entry. A Parquet entry keeps a digest of its columns and types, so
+that shards holding one column under two types are named when indexed (:func:`check_schemas`),
+not found out as a batch of mixed types.
 Seek positions are stored delta-encoded (sample sizes in 512-byte tar blocks, rows per Parquet
 row group) as base64 text of the narrowest integers that fit: about 1.4 bytes per small tar
 sample, so the sidecar of 10,000 shards loads in milliseconds and is decoded per shard on use.
@@ -64,6 +70,7 @@ __all__ = [
     "ShardIndex",
     "ShardInfo",
     "cached_infos",
+    "check_schemas",
     "decode_offsets",
     "default_index_path",
     "encode_offsets",
@@ -71,6 +78,7 @@ __all__ = [
     "file_version",
     "load_entries",
     "save_entries",
+    "schema_digest",
     "updated_entries",
 ]
 
@@ -79,6 +87,8 @@ INDEX_VERSION = 3
 # listing fields that identify a file's content, most specific first (S3, GCS, Azure, local, ...)
 _VERSION_FIELDS = ("VersionId", "ETag", "generation", "etag", "mtime", "LastModified",
                    "last_modified", "updated", "created")  # fmt: skip
+# kept since version 3 was first written: entries without them are indexed again
+_COLUMNAR_KEYS = {"parquet": {"schema", "data_bytes"}, "arrow": {"schema"}, "tar": set()}
 _UNITS = {"tar": 512, "parquet": 1, "arrow": 1}  # tar offsets are whole 512-byte blocks
 
 
@@ -90,7 +100,9 @@ class ShardInfo:
     build a ShardInfo from offsets with :meth:`from_offsets`. ``size`` is the file size in
     bytes when indexed and ``version`` what identified its content then (:func:`file_version`);
     ``nullable`` names the Parquet and Arrow columns that hold nulls (or lack statistics to
-    tell).
+    tell), ``schema`` is a digest of a Parquet or Arrow shard's column names and types
+    (:func:`schema_digest`) and ``data_bytes`` the bytes its footer declares its rows hold once
+    decompressed (-1: unknown), which bound the rows read at once.
     A shard indexed with ``on_error="skip"`` despite damage has ``error`` set (what was wrong),
     ``lost`` samples that could not be indexed (a lower bound unless ``lost_exact``) and, for
     tar, ``gaps``: byte spans inside its samples' pieces that hold no readable sample, cut out
@@ -108,6 +120,8 @@ class ShardInfo:
     lost: int = 0
     lost_exact: bool = True
     gaps: tuple[tuple[int, int], ...] = ()
+    schema: str = ""
+    data_bytes: int = -1
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -122,11 +136,14 @@ class ShardInfo:
         size: int,
         version: str = "",
         nullable: Sequence[str] = (),
+        schema: str = "",
+        data_bytes: int = -1,
     ) -> ShardInfo:
         """A ShardInfo for a shard whose pieces start at ``offsets`` (see :attr:`offsets`)."""
         num_samples = len(offsets) - 1 if format == "tar" else int(offsets[-1])
         seek = encode_offsets(offsets, format)
-        return cls(url, format, num_samples, seek, size, None, version, tuple(nullable))
+        return cls(url, format, num_samples, seek, size, None, version, tuple(nullable),
+                   schema=schema, data_bytes=data_bytes)  # fmt: skip
 
     @property
     def loss(self) -> str:
@@ -215,27 +232,102 @@ def cached_infos(
     stats: Sequence[tuple[int, str]],
     entries: dict[str, Any],
     index_path: str,
-) -> list[ShardInfo | None]:
+) -> tuple[list[ShardInfo | None], dict[str, str]]:
     """The ShardInfo of each URL whose sidecar entry still matches (format, size and version,
-    from :func:`file_stats`), else None."""
+    from :func:`file_stats`) and is a valid index of the shard (:func:`entry_problem`), else
+    None; and what is wrong with each entry that matched but is no valid index, by entry
+    name."""
     folder = index_path.rpartition("/")[0]
     infos: list[ShardInfo | None] = []
+    problems: dict[str, str] = {}
     for url, format, (size, version) in zip(urls, formats, stats):
-        entry = entries.get(_entry_key(url, folder))
-        if entry is None or (entry["format"], entry["size"], entry["version"]) != (
-            format, size, version
-        ):  # fmt: skip
+        key = _entry_key(url, folder)
+        entry = entries.get(key)
+        if not isinstance(entry, dict) or (
+            entry.get("format"), entry.get("size"), entry.get("version")
+        ) != (format, size, version) or not _COLUMNAR_KEYS[format] <= entry.keys():
+            infos.append(None)  # new, changed, or indexed before schemas and sizes were kept
+            continue
+        problem = entry_problem(entry, size)
+        if problem is not None:
+            problems[key] = problem
             infos.append(None)
             continue
         info = _matched_info(url=url, format=format, num_samples=entry["num_samples"],
                              seek=entry["seek"], size=size, version=version,
-                             nullable=tuple(entry.get("nullable", ())))  # fmt: skip
+                             nullable=tuple(entry.get("nullable", ())),
+                             schema=entry.get("schema", ""),
+                             data_bytes=entry.get("data_bytes", -1))  # fmt: skip
         if "error" in entry:  # indexed with on_error="skip" despite damage
             gaps = tuple(tuple(gap) for gap in entry.get("gaps", ()))
             info = replace(info, error=entry["error"], lost=entry["lost"],
                            lost_exact=entry["lost_exact"], gaps=gaps)  # fmt: skip
         infos.append(info)
-    return infos
+    return infos, problems
+
+
+def entry_problem(entry: dict[str, Any], size: int) -> str | None:
+    """What makes a sidecar entry that matched its shard's format, size and version no index
+    of it, or None: each field's type and range, as strictly as a resume state, and its sample
+    count against its seek positions (a hand-edited count would otherwise drop samples or
+    promise more than the shard holds). Checked from the seek text's length for tar (about
+    1 us an entry, where decoding it takes 10): positions that disagree with the bytes
+    are a :class:`StaleIndexError` when the shard is read."""
+    format, count, seek = entry["format"], entry.get("num_samples"), entry.get("seek")
+    if not _is_count(count):
+        return f"num_samples must be an integer >= 0, got {_clip(count)}"
+    if not isinstance(seek, str):
+        return f"seek must be a str, got {_clip(seek)}"
+    try:
+        width, deltas = (1, b"\0") if not seek else (int(seek[0]), _b64(seek[1:]))
+        if width not in (1, 2, 4, 8) or not deltas or len(deltas) % width:
+            raise ValueError(f"{len(deltas)} bytes of {width}-byte numbers")
+    except (ValueError, TypeError) as exc:
+        return f"seek {_clip(seek)} does not hold offsets ({exc})"
+    if format == "tar":
+        held = len(deltas) // width - 1
+    else:
+        held = sum(np.frombuffer(deltas, f"<u{width}").tolist())
+    if held != count:
+        return f"num_samples is {count}, its seek positions hold {held}"
+    return _optional_problem(entry, size)
+
+
+def _optional_problem(entry: dict[str, Any], size: int) -> str | None:
+    """The optional fields: nullable columns, and what was lost of a damaged shard."""
+    nullable = entry.get("nullable", [])
+    if not isinstance(nullable, list) or not all(isinstance(n, str) for n in nullable):
+        return f"nullable must be a list of column names, got {_clip(nullable)}"
+    if not isinstance(entry.get("schema", ""), str):
+        return f"schema must be a str, got {_clip(entry['schema'])}"
+    if not _is_count(entry.get("data_bytes", 0)):
+        return f"data_bytes must be an integer >= 0, got {_clip(entry['data_bytes'])}"
+    if "error" not in entry:
+        return None
+    if not isinstance(entry["error"], str) or not _is_count(entry.get("lost")):
+        return f"error must be a str and lost an integer >= 0, got {_clip(entry)}"
+    if not isinstance(entry.get("lost_exact"), bool):
+        return f"lost_exact must be true or false, got {_clip(entry.get('lost_exact'))}"
+    gaps = entry.get("gaps", [])
+    if not isinstance(gaps, list) or not all(
+        isinstance(g, list) and len(g) == 2 and all(map(_is_count, g)) and g[0] < g[1] <= size
+        for g in gaps
+    ):
+        return f"gaps must be [start, end] byte spans inside the shard, got {_clip(gaps)}"
+    return None
+
+
+def _b64(text: str) -> bytes:
+    return base64.b64decode(text, validate=True)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _clip(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _matched_info(**values: Any) -> ShardInfo:
@@ -259,6 +351,10 @@ def updated_entries(
                  "num_samples": info.num_samples, "seek": info.seek}  # fmt: skip
         if info.nullable:
             entry["nullable"] = list(info.nullable)
+        if info.format == "parquet":
+            entry.update(schema=info.schema, data_bytes=info.data_bytes)
+        elif info.format == "arrow":
+            entry["schema"] = info.schema
         if info.error is not None:
             entry.update(error=info.error, lost=info.lost, lost_exact=info.lost_exact)
             entry.update({"gaps": [list(gap) for gap in info.gaps]} if info.gaps else {})
@@ -278,6 +374,10 @@ def load_entries(index_path: str, storage_options: dict[str, Any] | None = None)
         return {}
     if not isinstance(saved, dict) or saved.get("version") != INDEX_VERSION:
         warnings.warn(f"ignoring shard index {index_path!r} of another version", stacklevel=3)
+        return {}
+    if not isinstance(saved.get("shards"), dict):
+        warnings.warn(f"ignoring shard index {index_path!r}: its 'shards' is no object of "
+                      f"entries (got {_clip(saved.get('shards'))})", stacklevel=3)  # fmt: skip
         return {}
     return saved["shards"]
 
@@ -394,9 +494,13 @@ def build_shard_index(
     beside = index_path is None  # the sidecar goes into the shards' folder
     index_path = index_path or default_index_path(urls)
     entries = {} if rebuild else load_entries(index_path, storage_options)
-    infos = cached_infos(urls, formats, stats, entries, index_path)
-    # a damaged shard from the sidecar is scanned again when it must raise
-    todo = [i for i, info in enumerate(infos) if info is None or info.error and on_error == "raise"]
+    infos, problems = cached_infos(urls, formats, stats, entries, index_path)
+    # A damaged shard from the sidecar is scanned again when it must raise; an entry of no
+    # sample too (cheap: an empty shard holds nothing to scan): an edited count of 0 would
+    # drop the shard's samples without a trace.
+    empty = [i for i, info in enumerate(infos) if info and info.num_samples == 0 and not info.error]
+    todo = [i for i, info in enumerate(infos)
+            if info is None or info.error and on_error == "raise" or i in empty]  # fmt: skip
 
     def scan(i: int) -> ShardInfo:
         return _scan_or_salvage(fs, paths[i], urls[i], formats[i], stats[i], on_error)
@@ -413,10 +517,28 @@ def build_shard_index(
         if info.error is not None:
             warnings.warn(f"{info.url}: {info.loss} lost, {info.num_samples} indexed "
                           f"({info.error})", stacklevel=2)  # fmt: skip
-    if todo:
-        entries = updated_entries(entries, infos, index_path)
-        _save_or_warn(index_path, entries, storage_options, note=beside)
+    folder = index_path.rpartition("/")[0]
+    problems.update({_entry_key(infos[i].url, folder): f"num_samples is 0, the shard holds "
+                     f"{infos[i].num_samples}" for i in empty if infos[i].num_samples})  # fmt: skip
+    _warn_invalid(index_path, problems)
+    check_schemas(fs, paths, infos)
+    updated = updated_entries(entries, infos, index_path) if todo else entries
+    if updated != entries:
+        _save_or_warn(index_path, updated, storage_options, note=beside)
     return ShardIndex(tuple(infos), index_path)
+
+
+def _warn_invalid(index_path: str, problems: dict[str, str]) -> None:
+    """Say which entries of the sidecar matched their shard but held no valid index of it
+    (they were indexed again, and the sidecar is rewritten)."""
+    if problems:
+        (name, problem), more = next(iter(problems.items())), len(problems) - 1
+        warnings.warn(
+            f"shard index {index_path!r}: entry {name!r} is not a valid index of its shard "
+            f"({problem})" + (f", nor are {more} other entries" if more else "")
+            + "; indexed again (was the sidecar edited?)",
+            stacklevel=3,
+        )
 
 
 def _save_or_warn(
@@ -473,8 +595,9 @@ def scan_shard(
         except (pa.ArrowException, OSError) as exc:
             what = _content(fs, path, "Arrow IPC") or f"unreadable Arrow IPC file ({exc})"
             raise ShardError(url, "header", what) from exc
-        nullable = null_columns(table)
-        return ShardInfo.from_offsets(url, format, arrow_offsets(table), size, version, nullable)
+        nullable, schema = null_columns(table), schema_digest(table.schema)
+        return ShardInfo.from_offsets(url, format, arrow_offsets(table), size, version, nullable,
+                                      schema)  # fmt: skip
     if format == "parquet":
         try:
             metadata = pq.read_metadata(path, filesystem=fs)
@@ -483,7 +606,9 @@ def scan_shard(
             raise ShardError(url, "footer", what) from exc
         offsets = [0, *itertools.accumulate(row_group_rows(metadata))]
         nullable = _nullable_columns(metadata)
-        return ShardInfo.from_offsets(url, format, offsets, size, version, nullable)
+        schema = schema_digest(metadata.schema.to_arrow_schema())
+        data = sum(metadata.row_group(g).total_byte_size for g in range(metadata.num_row_groups))
+        return ShardInfo.from_offsets(url, format, offsets, size, version, nullable, schema, data)
     try:
         offsets = _scan_tar(fs, path, size)
     except TarFormatError as exc:
@@ -541,6 +666,45 @@ def _content(fs: AbstractFileSystem, path: str, expected: str) -> str | None:
     if what in ("a tar file", "a Parquet file", "an Arrow IPC file"):
         return f"{what}, not {expected}: pass format={what.split()[1].lower()!r}"
     return what if "not supported" in what else f"{what}, not {expected}"
+
+
+def schema_digest(schema: pa.Schema) -> str:
+    """16 hex digits of a hash of the column names and types of ``schema`` (not their order,
+    nullability or metadata, which do not change what a batch holds)."""
+    columns = sorted([field.name, str(field.type)] for field in schema)
+    return hashlib.sha256(json.dumps(columns).encode()).hexdigest()[:16]
+
+
+def check_schemas(fs: AbstractFileSystem, paths: Sequence[str], infos: Sequence[ShardInfo]) -> None:
+    """A column that several Parquet or Arrow shards hold has one type in all of them (a
+    column all null in a shard, of type null there, fits any type): otherwise its samples
+    would have several types and batches mix them. A shard may lack columns others have (its
+    samples then lack them too). A ``ValueError`` names the column and two shards that differ.
+    Only the first shard of each schema digest is read (its footer, or an Arrow file's schema),
+    and only when digests differ."""
+    firsts: dict[str, int] = {}
+    for i, info in enumerate(infos):
+        if info.schema:
+            firsts.setdefault(info.schema, i)
+    if len(firsts) < 2:
+        return
+    known: dict[str, tuple[pa.DataType, str]] = {}  # column: its type, and a shard holding it
+    for i in firsts.values():
+        url = infos[i].url
+        for field in _schema(fs, paths[i], infos[i].format):
+            have, other = known.get(field.name, (pa.null(), url))
+            if pa.types.is_null(have):
+                known[field.name] = field.type, url
+            elif field.type != have and not pa.types.is_null(field.type):
+                raise ValueError(f"shards differ in column {field.name!r}: {other} "
+                                 f"holds {have}, {url} holds {field.type}; a column needs one "
+                                 "type in every shard (cast it when writing them)")  # fmt: skip
+
+
+def _schema(fs: AbstractFileSystem, path: str, format: str) -> pa.Schema:
+    if format == "parquet":
+        return pq.read_schema(path, filesystem=fs)
+    return open_ipc(fs, path).schema
 
 
 def row_group_rows(metadata: pq.FileMetaData) -> list[int]:

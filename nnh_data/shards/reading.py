@@ -68,22 +68,26 @@ def split_shard_range(
 
     Tar pieces stay under ``max_bytes`` (or hold one sample); Parquet and Arrow pieces are
     whole row groups or record batches (cut at ``start`` and ``stop``), as many as fit in
-    ``max_bytes`` at the file's average bytes per row (at least one).
+    ``max_bytes`` at the file's average bytes per row once decoded (what a Parquet footer
+    declares, or the size when larger), and a row group or batch larger than that is cut into
+    pieces of that many rows (at least one): a Parquet reader decodes a row group in batches,
+    continuing from one piece to the next.
     """
     stop = info.num_samples if stop is None else stop
     offsets = info.offsets
     if info.format != "tar":
-        rows = max_bytes * info.num_samples // max(1, info.size)
+        rows = max(1, max_bytes * info.num_samples // max(1, info.size, info.data_bytes))
     pieces = []
     while start < stop:
         if info.format == "tar":
-            end = _piece(offsets, offsets[start] + max_bytes)
-        else:
-            end = int(offsets[_piece(offsets, start + rows) if start + rows < stop else -1])
-            end = max(end, int(offsets[_piece(offsets, start) + 1]))
-        end = min(stop, max(start + 1, end))
-        pieces.append((start, end))
-        start = end
+            end = max(start + 1, _piece(offsets, offsets[start] + max_bytes))
+        elif start + rows >= stop:
+            end = stop
+        else:  # the last row group boundary within the rows that fit, else cut the group
+            end = int(offsets[_piece(offsets, start + rows)])
+            end = end if end > start else start + rows
+        pieces.append((start, min(stop, end)))
+        start = min(stop, end)
     return pieces
 
 
@@ -414,6 +418,10 @@ def iter_shard_samples(
     >>> for sample in iter_shard_samples(index.shards[0], 10, 20):  # doctest: +SKIP
     ...     print(sample["__key__"], len(sample["jpg"]))
     """
-    for low, high in split_shard_range(info, start, stop):
-        payload = fetch_shard_range(info, low, high, storage_options=storage_options)
-        yield from decode_shard_range(info, payload, low, high)
+    reader = ShardReader(storage_options)  # one for all pieces: a Parquet row group's
+    try:  # batches are decoded once, the next piece continuing where the last stopped
+        for low, high in split_shard_range(info, start, stop):
+            payload = reader.fetch(info, low, high)
+            yield from decode_shard_range(info, payload, low, high)
+    finally:
+        reader.close()

@@ -10,7 +10,9 @@ Keys become member paths, and tar tools extract members to those paths, so a key
 leave the folder it is extracted into (an absolute path, a ``..`` part) or that a tar name cannot
 hold (a NUL) is refused, never rewritten: a renamed key would silently be another sample's id.
 Folders given to convert are read without following symbolic links unless asked
-(``follow_symlinks=True``): a link inside the folder may point anywhere on the machine.
+(``follow_symlinks=True``): a link inside the folder may point anywhere on the machine. Only
+regular files are read: a FIFO would block the reader forever and a device such as /dev/zero
+never ends, so special files (and links to them) are skipped and counted in a warning.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import posixpath
 import re
+import stat
 import tarfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -261,23 +264,29 @@ def _grouped_files(
 
 
 def _files(fs: AbstractFileSystem, root: str, url: str, follow: bool) -> list[str]:
-    """The files under ``root``, sorted; on a local disk symbolic links are skipped (with a
-    warning) unless ``follow``."""
+    """The regular files under ``root``, sorted; on a local disk symbolic links (unless
+    ``follow``) and special files are skipped, with a warning that counts them."""
     if not isinstance(fs, LocalFileSystem):
         return sorted(fs.find(root))
-    files, links = [], []
+    files, links, special = [], [], []
     for folder, dirs, names in os.walk(root, followlinks=follow):
         for name in [*dirs, *names]:
             path = posixpath.join(folder, name)
             if not follow and os.path.islink(path):
                 links.append(path)
             elif name in names:
-                files.append(path)
+                (files if stat.S_ISREG(os.stat(path).st_mode) else special).append(path)
     if links:
         warnings.warn(
             f"skipped {len(links)} symbolic link(s) in {url!r}, e.g. {links[0]!r}: a link may "
             "lead out of the folder; pass follow_symlinks=True (nnh-data convert "
             "--follow-symlinks) to read what they point to",
+            stacklevel=4,
+        )
+    if special:
+        warnings.warn(
+            f"skipped {len(special)} special file(s) in {url!r} (a FIFO, socket or device, or a "
+            f"link to one), e.g. {special[0]!r}: only regular files are read",
             stacklevel=4,
         )
     return sorted(files)

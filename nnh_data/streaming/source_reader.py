@@ -37,9 +37,10 @@ from nnh_data.shards.reading import (
 )
 from nnh_data.shards.sources import is_local
 from nnh_data.streaming import stages
+from nnh_data.streaming.duplicate_keys import DuplicateKeys
 from nnh_data.streaming.error_policy import ErrorPolicy
 from nnh_data.streaming.readahead import read_ahead
-from nnh_data.streaming.stats import DECODE_NS, RETRIES, Meter
+from nnh_data.streaming.stats import DECODE_NS, DUPLICATE_KEYS, RETRIES, Meter
 
 __all__ = ["Piece", "SourceReader"]
 
@@ -48,6 +49,9 @@ _READ_BYTES = 8 << 20
 # holds a piece twice while it is parsed (its bytes and their values): 2 MiB instead of 8 MiB
 # took 30-70 MiB off the peak PSS of 2 workers reading 3 KiB samples, at the same CPU per sample
 _LOCAL_TAR_READ_BYTES = 2 << 20
+# what a part holds at most without shuffle (of the 1,024 samples it holds else): a part is
+# assembled before its first sample is handed out (1,024 Parquet rows of 1 MiB: 1 GiB)
+_PART_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ class SourceReader:
         self.storage_options, self.nullable = storage_options, nullable
         self.readahead, self.cache, self.cache_prefetch = readahead, cache, cache_prefetch
         self._starts = np.concatenate(([0], np.cumsum([i.num_samples for i in index.shards])))
+        self._keys = DuplicateKeys()
 
     def parts(
         self,
@@ -147,10 +152,11 @@ class SourceReader:
         read = functools.partial(self._fetch, read_block, meter.reads(), remote, cached)
         fetched = read_ahead(read, blocks, self.readahead)
         decoded = self._decoded(fetched, rows, fetch, cached, meter)
-        window = self.draws.window
+        window, group = self.draws.window, _part_samples(self.index)
         for piece in pieces:
             positions, pads = ([], 1) if piece.pad else (piece.positions, 0)
-            for part in stages.assemble(decoded, piece.order, positions, window, pads, rows):
+            for part in stages.assemble(decoded, piece.order, positions, window, pads, rows,
+                                        group):  # fmt: skip
                 yield piece, part
 
     def _decoded(
@@ -273,7 +279,28 @@ class SourceReader:
             # cycle keeps it, and the read buffers its frames view, until a collection
             del payload
         meter.add(DECODE_NS, time.perf_counter_ns() - began)
+        rows_read, keys = _keys(out, start, stop)
+        meter.add(DUPLICATE_KEYS, self._keys.count(info.url, info.num_samples, rows_read, keys))
         return rows.label(out, "__shard__", info.url)
+
+
+def _keys(rows: stages.Columns, start: int, stop: int) -> tuple[slice | np.ndarray, list[str]]:
+    """The samples in the shard (a slice, or their numbers where some were unreadable) and
+    the keys (a list, an Arrow column's too) of the decoded rows of samples ``[start, stop)``."""
+    keys = rows.get("__key__", [])
+    keys = keys if isinstance(keys, list) else keys.to_pylist()
+    if stages.SKIPPED not in rows:
+        return slice(start, stop), keys
+    readable = ~np.asarray(rows[stages.SKIPPED], bool)
+    numbers = np.arange(start, stop)[readable]
+    return numbers, [key for key, ok in zip(keys, readable) if ok] if numbers.size else []
+
+
+def _part_samples(index: ShardIndex) -> int:
+    """Samples per part without shuffle: about ``_PART_BYTES`` of them at the source's
+    average bytes per sample (decoded, for Parquet), 1 to 1,024."""
+    size = sum(max(info.size, info.data_bytes) for info in index.shards)
+    return int(min(stages.GROUP, max(1, _PART_BYTES * index.total_samples // max(1, size))))
 
 
 def _nbytes(info: ShardInfo, payload: object, start: int, stop: int) -> int:

@@ -50,6 +50,7 @@ from nnh_data.order.epoch import EpochOrder, Intervals
 
 __all__ = [
     "COLUMNS",
+    "GROUP",
     "LEFT_OUT",
     "Decoding",
     "SKIPPED",
@@ -70,7 +71,7 @@ __all__ = [
 SKIPPED = "__skipped__"  # column flagging the rows of unreadable samples, in columns
 _ABSENT_ROWS = "__absent__"  # column flagging the rows that lack a field of other rows
 _ABSENT = object()  # the value of such a field there
-_GROUP = 1024  # positions assembled per part without shuffle
+GROUP = 1024  # positions assembled per part without shuffle
 # Samples built at a time in a per-sample pass. Two dicts a sample (itself and ``__aug__``): a
 # slice of 256 stays under the cyclic collector's threshold (700 new objects), where one of
 # 1,024 set off ~3 collections that found every sample alive, moved them to older
@@ -274,12 +275,14 @@ def assemble(
     window: int,
     num_pads: int,
     rows: Rows,
+    part_size: int = GROUP,
 ) -> Iterator[Part]:
     """Parts in hand-out order from the decoded blocks of :mod:`nnh_data.order.blocks` (read,
-    then pads; ``(concat start, rows)`` each): one per window of ``positions``, then
-    one per pad, labelled with ``__index__`` (the global ids) and ``__pad__``."""
+    then pads; ``(concat start, rows)`` each): one per window of ``positions`` (without
+    shuffle, per ``part_size`` positions), then one per pad, labelled with ``__index__`` (the
+    global ids) and ``__pad__``."""
     cursor = _Cursor(decoded, rows)
-    for group in window_groups(positions, window or _GROUP):
+    for group in window_groups(positions, window or part_size):
         concat = order.concat_positions(group)
         low, high = int(concat.min()), int(concat.max()) + 1
         taken = cursor.take(low, high)

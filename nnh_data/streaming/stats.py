@@ -12,13 +12,21 @@ The main process sums the rows: :meth:`DataStats.epoch` is the epoch so far on t
 sums minus what they were when the epoch was set), :func:`sum_over_ranks` adds the ranks' in
 one ``all_reduce`` and :func:`describe` makes the one line a log gets.
 
-What is counted: ``samples`` and ``bytes`` read (a tar block's bytes; for Parquet the file's
-bytes in proportion to the rows read), seconds reading (the fetch, including a cache download
-it waits for), decoding (shards to rows, and ``decode``) and computing parameters; remote
-``gets`` (one per block read from remote storage around a cache; the cache's own downloads are
-its ``cache_misses``), ``retries`` (reads done again), this process's cache ``hits``, ``misses``
-and ``evictions``, samples ``skipped`` as unreadable, and ``wait_s``, the training loop's wait
-for batches, when the loop reports it (:func:`timed`, or ``NNHandler``).
+What is counted: ``handed_out``, the samples the passes handed out (this rank's share of the
+epoch, pads included, samples left out as unreadable not), and ``samples`` and ``bytes`` read
+(a tar block's bytes; for Parquet the file's bytes in proportion to the rows read). The two
+differ where a shuffle window is shared: a window's samples are drawn in a random order from
+all of it, so every worker and rank whose share lies in a window reads the whole window (the
+share of each is scattered over it): a data set smaller than ``shuffle_window`` is read once
+per worker and rank (400 samples, 2 workers: 800 read), a large one about one window more per
+worker and rank than its share (the windows at the ends of its range). Then: seconds reading
+(the fetch, including a cache download it waits for), decoding (shards to rows, and ``decode``)
+and computing parameters; remote ``gets`` (one per block read from remote storage around a
+cache; the cache's own downloads are its ``cache_misses``), ``retries`` (reads done again),
+this process's cache ``hits``, ``misses`` and ``evictions``, samples ``skipped`` as unreadable,
+``duplicate_keys``, samples read whose key a shard read before holds
+(:mod:`nnh_data.streaming.duplicate_keys`), and ``wait_s``, the training loop's wait for
+batches, when the loop reports it (:func:`timed`, or ``NNHandler``).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ __all__ = [
     "DECODE_NS",
     "DECODE_SAMPLING",
     "DECODE_USER_NS",
+    "DUPLICATE_KEYS",
     "FIELDS",
     "GETS",
     "PARAMS_NS",
@@ -57,9 +66,11 @@ __all__ = [
 ]
 
 FIELDS = ("samples", "bytes", "read_ns", "gets", "decode_ns", "decode_user_ns", "params_ns",
-          "wait_ns", "retries", "cache_hits", "cache_misses", "cache_evictions")  # fmt: skip
+          "wait_ns", "retries", "cache_hits", "cache_misses", "cache_evictions",
+          "handed_out", "duplicate_keys")  # fmt: skip
 (SAMPLES, BYTES, READ_NS, GETS, DECODE_NS, DECODE_USER_NS, PARAMS_NS, WAIT_NS, RETRIES,
- CACHE_HITS, CACHE_MISSES, CACHE_EVICTIONS) = range(len(FIELDS))  # fmt: skip
+ CACHE_HITS, CACHE_MISSES, CACHE_EVICTIONS, HANDED_OUT,
+ DUPLICATE_KEYS) = range(len(FIELDS))  # fmt: skip
 _READ_FIELDS = (SAMPLES, BYTES, READ_NS, GETS)  # counted by the fetching threads
 ROWS = 64  # the main process and 63 workers; more workers share rows (a count may be lost)
 DECODE_SAMPLING = 16
@@ -118,6 +129,7 @@ class Meter:
         """A part of ``items`` items is handed out next: fold the reads, the sampled decode
         time and the cache's counts into the row, and say whether to time this part."""
         self._items += items
+        self.row[HANDED_OUT] += items
         self.timing = self._parts % DECODE_SAMPLING == 0
         self._parts += 1
         for field, counts in zip(_READ_FIELDS, zip(*self._reads)):
@@ -127,7 +139,9 @@ class Meter:
             self.row[DECODE_USER_NS] = self._start[DECODE_USER_NS] + estimate
         if self.cache is not None:
             now = _cache_vector(self.cache.process_counts()) - self._cache_start
-            self.row[CACHE_HITS : CACHE_EVICTIONS + 1] = self._start[CACHE_HITS:] + now
+            self.row[CACHE_HITS : CACHE_EVICTIONS + 1] = (
+                self._start[CACHE_HITS : CACHE_EVICTIONS + 1] + now
+            )
 
 
 class DataStats:
@@ -161,6 +175,7 @@ class DataStats:
                 continue
             out[name[:-3] + "_s" if name.endswith("_ns") else name] = (
                 value / 1e9 if name.endswith("_ns") else value)
+        out["handed_out"] -= skipped
         out["skipped"] = skipped
         return out
 
@@ -218,16 +233,18 @@ def describe(stats: Mapping[str, float]) -> str:
     """One line for a log: what was read and where the time went.
 
     Example:
-        >>> describe({"samples": 2048, "bytes": 6_400_000, "read_s": 0.4, "decode_s": 1.2,
-        ...           "params_s": 0.1, "wait_s": 0.3, "gets": 0, "retries": 0, "cache_hits": 0,
-        ...           "cache_misses": 0, "cache_evictions": 0, "skipped": 0})
-        'data: 2,048 samples, 6.4 MB read; reading 0.40 s, decoding 1.20 s, parameters 0.10 s, loop waiting 0.30 s; 0 GETs, 0 retries; cache 0 hits, 0 misses, 0 evictions; 0 skipped'
+        >>> describe({"handed_out": 1024, "samples": 2048, "bytes": 6_400_000, "read_s": 0.4,
+        ...           "decode_s": 1.2, "params_s": 0.1, "wait_s": 0.3, "gets": 0, "retries": 0,
+        ...           "cache_hits": 0, "cache_misses": 0, "cache_evictions": 0, "skipped": 0,
+        ...           "duplicate_keys": 0})
+        'data: 1,024 samples handed out, 2,048 read (6.4 MB); reading 0.40 s, decoding 1.20 s, parameters 0.10 s, loop waiting 0.30 s; 0 GETs, 0 retries; cache 0 hits, 0 misses, 0 evictions; 0 skipped; 0 duplicate keys'
     """  # noqa: E501
     s = stats
     return (
-        f"data: {s['samples']:,} samples, {s['bytes'] / 1e6:.1f} MB read; reading "
+        f"data: {s['handed_out']:,} samples handed out, {s['samples']:,} read "
+        f"({s['bytes'] / 1e6:.1f} MB); reading "
         f"{s['read_s']:.2f} s, decoding {s['decode_s']:.2f} s, parameters {s['params_s']:.2f} s, "
         f"loop waiting {s['wait_s']:.2f} s; {s['gets']:,} GETs, {s['retries']:,} retries; cache "
         f"{s['cache_hits']:,} hits, {s['cache_misses']:,} misses, {s['cache_evictions']:,} "
-        f"evictions; {s['skipped']:,} skipped"
+        f"evictions; {s['skipped']:,} skipped; {s['duplicate_keys']:,} duplicate keys"
     )

@@ -8,9 +8,14 @@ save. So each worker of the loaders nnh builds ignores SIGINT and SIGUSR1 (its r
 saves, then shuts its workers down), and SIGTERM while its rank handles SIGTERM itself (as
 ``NNHandler.train`` does): the rank then decides when to stop, and its workers go with it.
 A rank that does not handle SIGTERM dies of it, and its workers too, as before; and a rank
-ending its workers with SIGTERM (``multiprocessing`` does at interpreter exit) stops handling
-SIGTERM first (an exit hook), so that exit never waits for a worker that ignored it. A worker
-whose rank died ends within seconds (torch's watchdog). The user's ``worker_init_fn`` runs after.
+ending its workers with SIGTERM (``multiprocessing`` does at interpreter exit, to the persistent
+workers still alive) stops handling SIGTERM first (an exit hook), so that exit never waits for a
+worker that ignored it. The same hook stops torch's SIGCHLD handler, which raises when a worker
+it knows of dies of a signal: at exit it raised in ``multiprocessing``'s exit function, which
+printed ``Exception ignored in atexit callback ... DataLoader worker (pid N) is killed by signal:
+Terminated`` after half the clean runs (a worker's death during the run is still found, by the
+loader's own checks and this handler, until the exit). A worker whose rank died ends within
+seconds (torch's watchdog). The user's ``worker_init_fn`` runs after.
 
 A worker hands each batch's tensors to its rank as file descriptors, through ``multiprocessing``'s
 resource sharer: a thread in the worker that the rank connects to, and that reports any error
@@ -107,10 +112,17 @@ def _handles(pid: int, signum: int) -> bool:
 
 
 def _set_exit_hook() -> None:
-    """Once per process: at exit, SIGTERM's default action again, before ``multiprocessing``
-    terminates the workers (hooks run last-registered first, and it registered at import)."""
+    """Once per process: :func:`_quiet_exit` at exit, before ``multiprocessing`` terminates the
+    workers (hooks run last-registered first, and it registered at import)."""
     global _exit_hook_set
     with _exit_hook:
         if not _exit_hook_set:
-            atexit.register(signal.signal, signal.SIGTERM, signal.SIG_DFL)
+            atexit.register(_quiet_exit)
             _exit_hook_set = True
+
+
+def _quiet_exit() -> None:
+    """SIGTERM's and SIGCHLD's default actions again (see the module): the workers that
+    ``multiprocessing`` terminates now end, and their deaths raise nothing."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -3,7 +3,9 @@
 past the read timeout) cost retries, never a sample; a shard that always fails is named after
 exactly ``ATTEMPTS`` attempts, with and without the cache (the bound the README states: the
 attempts are counted at the proxy, the waits between them in
-``tests/nnh_data/shards/test_retries.py``; no test here asserts wall seconds)."""
+``tests/nnh_data/shards/test_retries.py``; no test here asserts wall seconds). Throttling has
+a budget of its own: a burst of SlowDown longer than the failures' bound costs no sample, and
+one past the throttling budget is named as throttling."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 import pytest
 
 from nnh_data import ShardCache, ShardedStreamingDataset, ShardError
+from nnh_data.shards import retries
 from nnh_data.shards.retries import ATTEMPTS, BACKOFF_S
 from tests.faults.conftest import PER_SHARD
 from tests.support import Fault
@@ -129,3 +132,47 @@ def test_skip_leaves_out_a_failing_shard_and_counts_it(
     assert _gets(s3_proxy, remote.path(3)) == ["error"] * ATTEMPTS
     if cached:
         _check_cache(cache_dir, downloads=5)
+
+
+@CACHED
+def test_a_slow_down_burst_past_the_failure_bound_costs_no_sample(
+    cached, remote_tar, s3_proxy, deliver, tmp_path
+):
+    """Every GET answered 503 SlowDown for 12 s (longer than the ~8 s in which 5 failures
+    give up): throttling has its own budget, so every sample comes once."""
+    remote = remote_tar
+    s3_proxy.inject(Fault.slow_down(), seconds=12)
+    cache_dir = tmp_path / "cache" if cached else None
+    assert deliver(_dataset(remote, s3_proxy, cache_dir)) == [remote.expected]
+    assert any("error" in _gets(s3_proxy, remote.path(i)) for i in range(6))
+
+
+def test_throttled_answers_are_not_counted_as_failures(remote_tar, s3_proxy, deliver,
+                                                       monkeypatch):  # fmt: skip
+    """Twice ``ATTEMPTS`` SlowDowns, then a 500 and the read: each shard's read goes on
+    (waits made short here; the workers are forked with them)."""
+    monkeypatch.setattr(retries, "THROTTLE_CAP_S", 0.05)
+    remote = remote_tar
+    answers = [Fault.slow_down()] * (2 * ATTEMPTS) + [Fault.error(500)]
+    for i in range(6):
+        for n, fault in enumerate(answers, 1):
+            s3_proxy.inject(fault, path=remote.path(i), requests=[n])
+    assert deliver(_dataset(remote, s3_proxy)) == [remote.expected]
+    for i in range(6):
+        assert _gets(s3_proxy, remote.path(i))[: len(answers) + 1] == ["error"] * len(answers) + [
+            "ok"]
+
+
+def test_throttling_past_its_budget_is_named_as_throttling(remote_tar, s3_proxy, deliver,
+                                                           monkeypatch):  # fmt: skip
+    """A store that never stops throttling shard 3: named once the throttling budget (here
+    made 2 s; the worker is forked with it) is spent, as throttling, not as a failure."""
+    monkeypatch.setattr(retries, "THROTTLE_BUDGET_S", 2.0)
+    monkeypatch.setattr(retries, "THROTTLE_CAP_S", 0.5)
+    remote = remote_tar
+    s3_proxy.inject(Fault.slow_down(), path=remote.path(3))
+    with pytest.raises(ShardError, match=rf"{re.escape(remote.url(3))}: unreadable \(.*\); "
+                       r"throttled by the store \(asked to slow down\) in (\d+) of \1 "
+                       r"attempts over [\d.]+ s, past the 2 s"):  # fmt: skip
+        deliver(_dataset(remote, s3_proxy), workers=1)
+    assert len(_gets(s3_proxy, remote.path(3))) > ATTEMPTS

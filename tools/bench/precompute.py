@@ -4,9 +4,12 @@ Prints one JSON object. ``write_vs_generate``: rows/s of ``write_precomputed_par
 task, files of 1M rows: generate, encode, hash, store) over rows/s of generating the same rows
 with ``gen_augmentation_params_batch`` alone, 1M at a time (target >= 0.5: writing must not
 dominate). ``lookup_vs_generate``: rows/s of ``PrecomputedParams.batch`` on shuffled windows of
-4096 ids over generating those windows. Peak RSS (VmHWM) of a fresh process writing the table
-of 1x and 10x the samples (``rss_growth`` = 10x / 1x - 1, target < 0.1). Rates are the best of
-a few rounds in which a figure and its baseline take turns (``best_rates`` of common.py).
+4096 ids over generating those windows; ``first_lookup_vs_generate`` the same for a table just
+opened (each row group's page checksums checked at its first lookup: the cost of a changed file
+being an error), and ``open_ms`` the time ``load_precomputed_params`` takes. Peak RSS (VmHWM)
+of a fresh process writing the table of 1x and 10x the samples (``rss_growth`` = 10x / 1x - 1,
+target < 0.1). Rates are the best of a few rounds in which a figure and its baseline take turns
+(``best_rates`` of common.py).
 
     .venv/bin/python tools/bench/precompute.py [--samples 10000000] [--repeats 3]
 """
@@ -23,7 +26,7 @@ import numpy as np
 from common import best_rates, rss_growth  # tools/bench/common.py, beside this file
 
 from nnh_data.augment.params import gen_augmentation_params_batch
-from nnh_data.precompute.read import load_precomputed_params
+from nnh_data.precompute.read import PrecomputedParams, load_precomputed_params
 from nnh_data.precompute.spec import PrecomputeSpec
 from nnh_data.precompute.write import write_precomputed_params
 
@@ -51,6 +54,10 @@ def windows(num_samples: int, count: int) -> list[np.ndarray]:
     rng = np.random.default_rng(0)
     starts = rng.integers(0, num_samples - WINDOW, count)
     return [rng.permutation(np.arange(s, s + WINDOW)) for s in np.sort(starts)]
+
+
+def lookups(params: PrecomputedParams, some: list[np.ndarray]) -> int:
+    return sum(len(params.batch(w, epoch=0)["seed"]) for w in some)
 
 
 def write_table(samples: int, root: str) -> str:
@@ -82,10 +89,12 @@ def main() -> None:
                 "generate": lambda: sum(
                     len(gen_augmentation_params_batch(w, rank_aware=False)["seed"]) for w in some
                 ),
-                "lookup": lambda: sum(len(params.batch(w, epoch=0)["seed"]) for w in some),
+                "lookup": lambda: lookups(params, some),
+                "first_lookup": lambda: lookups(load_precomputed_params(table), some),
             },
             args.repeats,
         )
+        opened = best_rates({"open": lambda: load_precomputed_params(table) and 1}, 5)
         file_bytes = sum(path.stat().st_size for path in Path(table).glob("*.parquet"))
         rss = rss_growth(write_table(args.samples // 10, root), write_table(args.samples, root))
     result = {
@@ -98,6 +107,9 @@ def main() -> None:
         "window_generate_rows_per_s": round(lookup["generate"]),
         "lookup_rows_per_s": round(lookup["lookup"]),
         "lookup_vs_generate": round(lookup["lookup"] / lookup["generate"], 2),
+        "first_lookup_rows_per_s": round(lookup["first_lookup"]),
+        "first_lookup_vs_generate": round(lookup["first_lookup"] / lookup["generate"], 2),
+        "open_ms": round(1e3 / opened["open"], 2),
         **rss,
     }
     print(json.dumps(result))

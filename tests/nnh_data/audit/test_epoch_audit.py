@@ -169,6 +169,21 @@ def test_a_large_loss_is_estimated_and_agrees_with_the_net_count(tar_shards):
     assert "about 1,500 missing" in str(report)
 
 
+def test_every_batch_consumed_twice_is_estimated_without_negatives_and_named(tar_shards):
+    """Beyond the exact limit the estimates agree with the exact net count and are never
+    negative, on the rank line too; the cause names the repeat."""
+    ds = ShardedStreamingDataset(tar_shards([3000, 2000], size=1), seed=0)
+    audit = EpochAudit(ds)
+    consume(audit, streaming_loader(ds, batch_size=500), again=range(10))
+    with pytest.raises(ExactlyOnceError) as info:
+        audit.verify()
+    report = info.value.report
+    assert not report.exact and (report.missing, report.repeated) == (0, 5000)
+    assert (report.ranks[0].missing, report.ranks[0].repeated) == (0, 5000)
+    assert "-" not in str(report).split("likely cause")[0]
+    assert "consumed 2 times" in report.cause
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_resumed_pass_is_checked_for_the_rest_of_its_epoch(urls, workers):
     ds = ShardedStreamingDataset(urls, seed=3, shuffle_window=16, epoch=2)

@@ -81,7 +81,7 @@ def test_fetch_block_reads_a_large_block_into_memory_of_its_own(tar_shards, monk
     assert large == fetch_shard_range(info, 1, 4) and len(reader._buffers) == 1
 
 
-def test_split_shard_range_bounds_bytes_and_follows_row_groups(tar_shards, parquet_shards):
+def test_split_shard_range_bounds_bytes(tar_shards, parquet_shards):
     (tar,) = tar_shards([10], size=1000)
     info = build_shard_index(tar).shards[0]
     pieces = split_shard_range(info, 1, 9, max_bytes=5000)
@@ -91,10 +91,14 @@ def test_split_shard_range_bounds_bytes_and_follows_row_groups(tar_shards, parqu
     (table,) = parquet_shards([10], row_group_size=4)
     info = build_shard_index(table).shards[0]
     assert info.offsets.tolist() == [0, 4, 8, 10]
-    assert split_shard_range(info, 2, 9, max_bytes=1) == [(2, 4), (4, 8), (8, 9)]
-    assert split_shard_range(info, 2, 9) == [(2, 9)]  # whole row groups fit the default bytes
-    per_row = info.size / 10
-    assert split_shard_range(info, 0, 10, max_bytes=int(per_row * 9)) == [(0, 8), (8, 10)]
+    assert split_shard_range(info, 2, 9, max_bytes=1) == [(a, a + 1) for a in range(2, 9)]
+    assert split_shard_range(info, 2, 9) == [(2, 9)]  # all rows fit the default bytes
+    per_row = max(info.size, info.data_bytes) / 10
+    nine_rows = int(per_row * 9) + 1  # whole row groups when they fit
+    assert split_shard_range(info, 0, 10, max_bytes=nine_rows) == [(0, 8), (8, 10)]
+    three_rows = int(per_row * 3) + 1  # a row group larger than that is cut
+    assert split_shard_range(info, 0, 10, max_bytes=three_rows) == [
+        (0, 3), (3, 4), (4, 7), (7, 10)]
 
 
 def test_webdataset_shardwriter_interop(tmp_path):

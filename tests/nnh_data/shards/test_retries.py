@@ -10,7 +10,17 @@ import pytest
 
 from nnh_data.errors import ShardError, StaleIndexError
 from nnh_data.shards import retries
-from nnh_data.shards.retries import ATTEMPTS, BACKOFF_S, is_transient, remote_fs, retrying
+from nnh_data.shards.retries import (
+    ATTEMPTS,
+    BACKOFF_S,
+    THROTTLE_BACKOFF_S,
+    THROTTLE_BUDGET_S,
+    THROTTLE_CAP_S,
+    is_throttled,
+    is_transient,
+    remote_fs,
+    retrying,
+)
 
 
 class ClientPayloadError(Exception):
@@ -59,11 +69,74 @@ def test_is_transient(exc, transient):
     assert is_transient(exc) is transient
 
 
+class ClientError(Exception):
+    """Shaped as botocore's: the S3 error code and HTTP status in ``response``."""
+
+    def __init__(self, code: str, status: int) -> None:
+        super().__init__(code)
+        self.response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+
+
+def _s3fs_error(code: str, status: int) -> OSError:
+    """What s3fs raises for an S3 error: an OSError from botocore's ClientError."""
+    try:
+        raise OSError(errno.EBUSY, "Please reduce your request rate.") from ClientError(
+            code, status
+        )
+    except OSError as exc:
+        return exc
+
+
+class Status(Exception):
+    """Shaped as aiohttp's ClientResponseError: the HTTP status in ``status``."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+@pytest.mark.parametrize(
+    ("exc", "throttled"),
+    [
+        (_s3fs_error("SlowDown", 503), True),
+        (_s3fs_error("ServiceUnavailable", 503), True),
+        (_s3fs_error("Throttling", 400), True),
+        (_s3fs_error("InternalError", 500), False),
+        (_raised_from(_s3fs_error("SlowDown", 503)), True),
+        (Status(429), True),
+        (Status(500), False),
+        (OSError(errno.EBUSY, "busy"), False),
+        (ConnectionResetError(), False),
+    ],
+)
+def test_is_throttled(exc, throttled):
+    assert is_throttled(exc) is throttled and is_transient(exc) is not isinstance(exc, Status)
+
+
+class Clock:
+    """``time`` for retries: ``sleep`` records each wait and moves ``monotonic`` on."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 1000.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
 @pytest.fixture
-def waits(monkeypatch) -> list[float]:
-    slept: list[float] = []
-    monkeypatch.setattr(retries.time, "sleep", slept.append)
-    return slept
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(retries, "time", clock)
+    return clock
+
+
+@pytest.fixture
+def waits(clock) -> list[float]:
+    return clock.slept
 
 
 def _failing(errors: list[BaseException], value=b"data"):
@@ -152,3 +225,29 @@ def test_remote_fs_opens_one_s3_filesystem_per_process_for_all_its_threads(moto_
     assert other is fs and again is fs and other_path == path[:-5] + "b.tar"
     local, _ = remote_fs("memory://a/b.tar", None)  # not async: fsspec's own cache
     assert local is not fs
+
+
+def test_a_burst_of_throttling_is_waited_out_apart_from_the_failures(clock):
+    """Throttled answers do not count against ``ATTEMPTS``: 10 of them (at most 55.5 s of
+    waits, within the budget), then 4 failures, then the read succeeds. Each throttled wait is
+    drawn from 0 to the doubled backoff, capped."""
+    slow = _s3fs_error("SlowDown", 503)
+    errors = [slow] * 10 + [OSError(errno.EREMOTEIO, "500")] * (ATTEMPTS - 1)
+    read, calls = _failing(errors)
+    assert retrying(read, "s3://b/x.tar", "sample 0") == b"data"
+    assert len(calls) == len(errors) + 1
+    for k, wait in enumerate(clock.slept[:10]):
+        assert 0 <= wait <= min(THROTTLE_CAP_S, THROTTLE_BACKOFF_S * 2**k)
+
+
+def test_throttling_that_lasts_is_named_past_its_budget(clock):
+    read, calls = _failing([_s3fs_error("SlowDown", 503)] * 10_000)
+    with pytest.raises(ShardError) as raised:
+        retrying(read, "s3://b/x.tar", "sample 2")
+    waited = sum(clock.slept)
+    assert THROTTLE_BUDGET_S <= waited <= THROTTLE_BUDGET_S + THROTTLE_CAP_S
+    assert raised.value.reason.endswith(
+        f"; throttled by the store (asked to slow down) in {len(calls)} of {len(calls)} "
+        f"attempts over {waited:.1f} s, past the {THROTTLE_BUDGET_S:g} s that throttling is "
+        "waited out"
+    )

@@ -186,7 +186,7 @@ def test_a_per_sample_mix_interleaves_each_sources_samples(sizes, sources, chunk
     # samples built per source, in slices of ``group`` hand-out rows, then interleaved: the
     # samples of the mixed order, fields in the order of their first source, the unreadable
     # ones told in order
-    monkeypatch.setattr(stages, "_GROUP", group)
+    monkeypatch.setattr(stages, "GROUP", group)
     rows = stages.deferred(stages.VALUE_COLUMNS)
     parts = mixed_parts(sizes, sources, chunk, rows, stages.VALUE_COLUMNS)
     parts = stages.with_parameters(parts, lambda ids: {"twice": ids * 2})

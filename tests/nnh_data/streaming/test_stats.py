@@ -1,9 +1,11 @@
 """Data-path stats: per epoch, over the process and its DataLoader workers (fork and spawn):
-samples and bytes read, times, remote GETs and cache counts (S3 on loopback), skipped samples,
-the loop's wait; summed over real ranks in one collective; one line for a log."""
+samples handed out, samples and bytes read (what the readers really read, counted apart), times,
+remote GETs and cache counts (S3 on loopback), skipped samples, the loop's wait; summed over
+real ranks in one collective; one line for a log."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 
@@ -11,6 +13,7 @@ import fsspec
 import pytest
 
 from nnh_data import ShardedStreamingDataset, build_shard_index, streaming_loader
+from nnh_data.shards.reading import ShardReader
 from nnh_data.streaming.stats import DECODE_SAMPLING, describe, sum_over_ranks, timed
 from tests.support import run_distributed
 
@@ -115,7 +118,45 @@ def test_sum_over_real_ranks(urls):
 def test_describe_is_one_line(urls):
     ds = ShardedStreamingDataset(urls)
     line = describe(epoch_of(ds, ds, 0))
-    assert "\n" not in line and line.startswith("data: 100 samples")
+    assert "\n" not in line and line.startswith("data: 100 samples handed out, 100 read")
+
+
+def _counting_reads(monkeypatch) -> multiprocessing.Value:
+    """Samples every ShardReader reads, in this process and the workers forked from it."""
+    count = multiprocessing.get_context("fork").Value("q", 0)
+    real = ShardReader._read
+
+    def counted(self, info, start, stop, *args, **kwargs):
+        with count.get_lock():
+            count.value += stop - start
+        return real(self, info, start, stop, *args, **kwargs)
+
+    monkeypatch.setattr(ShardReader, "_read", counted)
+    return count
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_samples_read_are_the_reads_and_handed_out_the_share(urls, workers, monkeypatch):
+    """100 samples in one shuffle window (1,024): each worker's half is scattered over the
+    whole window, so each worker reads all of it. ``samples`` is what the readers read, no
+    more, and ``handed_out`` is the epoch."""
+    reads = _counting_reads(monkeypatch)
+    ds = ShardedStreamingDataset(urls, seed=3)
+    context = {"multiprocessing_context": "fork"} if workers else {}
+    stats = epoch_of(ds, streaming_loader(ds, 8, num_workers=workers, **context), 0)
+    assert stats["handed_out"] == 100
+    assert stats["samples"] == reads.value == 100 * max(workers, 1)
+
+
+def _rank_share(rank: int, world_size: int, urls: list[str]) -> dict:
+    ds = ShardedStreamingDataset(urls, seed=3)
+    return epoch_of(ds, streaming_loader(ds, 8, num_workers=2), 0)
+
+
+@pytest.mark.timeout(120)
+def test_each_rank_hands_out_its_share_and_says_what_it_read(urls):
+    for stats in run_distributed(_rank_share, 2, urls, timeout=100):
+        assert (stats["handed_out"], stats["samples"]) == (50, 200)  # 2 workers, whole window
 
 
 def test_nothing_is_counted_before_a_pass(urls):
