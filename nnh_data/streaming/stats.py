@@ -232,19 +232,27 @@ def sum_over_ranks(
 def describe(stats: Mapping[str, float]) -> str:
     """One line for a log: what was read and where the time went.
 
+    The share handed out is named apart from the samples read only where they differ (a set
+    smaller than the shuffle window is read whole by every worker and rank), and duplicate keys
+    only where there were some; stats from before either count was kept read as before.
+
     Example:
         >>> describe({"handed_out": 1024, "samples": 2048, "bytes": 6_400_000, "read_s": 0.4,
         ...           "decode_s": 1.2, "params_s": 0.1, "wait_s": 0.3, "gets": 0, "retries": 0,
         ...           "cache_hits": 0, "cache_misses": 0, "cache_evictions": 0, "skipped": 0,
-        ...           "duplicate_keys": 0})
-        'data: 1,024 samples handed out, 2,048 read (6.4 MB); reading 0.40 s, decoding 1.20 s, parameters 0.10 s, loop waiting 0.30 s; 0 GETs, 0 retries; cache 0 hits, 0 misses, 0 evictions; 0 skipped; 0 duplicate keys'
+        ...           "duplicate_keys": 2})
+        'data: 1,024 samples handed out, 2,048 read (6.4 MB); reading 0.40 s, decoding 1.20 s, parameters 0.10 s, loop waiting 0.30 s; 0 GETs, 0 retries; cache 0 hits, 0 misses, 0 evictions; 0 skipped; 2 duplicate keys'
     """  # noqa: E501
     s = stats
+    handed_out, duplicates = s.get("handed_out", s["samples"]), s.get("duplicate_keys", 0)
+    megabytes = s["bytes"] / 1e6
+    amount = (f"{s['samples']:,} samples, {megabytes:.1f} MB read" if handed_out == s["samples"]
+              else f"{handed_out:,} samples handed out, {s['samples']:,} read ({megabytes:.1f} MB)")
     return (
-        f"data: {s['handed_out']:,} samples handed out, {s['samples']:,} read "
-        f"({s['bytes'] / 1e6:.1f} MB); reading "
+        f"data: {amount}; reading "
         f"{s['read_s']:.2f} s, decoding {s['decode_s']:.2f} s, parameters {s['params_s']:.2f} s, "
         f"loop waiting {s['wait_s']:.2f} s; {s['gets']:,} GETs, {s['retries']:,} retries; cache "
         f"{s['cache_hits']:,} hits, {s['cache_misses']:,} misses, {s['cache_evictions']:,} "
-        f"evictions; {s['skipped']:,} skipped; {s['duplicate_keys']:,} duplicate keys"
-    )
+        f"evictions; {s['skipped']:,} skipped"
+        + (f"; {duplicates:,} duplicate keys" if duplicates else "")
+    )  # fmt: skip

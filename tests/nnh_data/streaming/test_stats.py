@@ -117,8 +117,13 @@ def test_sum_over_real_ranks(urls):
 
 def test_describe_is_one_line(urls):
     ds = ShardedStreamingDataset(urls)
-    line = describe(epoch_of(ds, ds, 0))
-    assert "\n" not in line and line.startswith("data: 100 samples handed out, 100 read")
+    stats = epoch_of(ds, ds, 0)
+    line = describe(stats)
+    assert "\n" not in line and line.startswith("data: 100 samples, 0.")
+    assert "handed out" not in line and "duplicate" not in line
+    line = describe({**stats, "samples": 200, "duplicate_keys": 3})  # read twice, three repeated
+    assert line.startswith("data: 100 samples handed out, 200 read (") and line.endswith(
+        "; 3 duplicate keys")
 
 
 def _counting_reads(monkeypatch) -> multiprocessing.Value:
