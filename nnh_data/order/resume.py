@@ -380,6 +380,14 @@ def pass_start(
     """
     if state is None or None not in state["consumed"]:
         return next_base(state, total, uneven), 0
+    _check_own_worker(state, world_size, num_workers, worker, unit)
+    return [tuple(i) for i in state["base"]], state["consumed"][worker]
+
+
+def _check_own_worker(
+    state: Mapping[str, Any], world_size: int, num_workers: int, worker: int, unit: int | None
+) -> None:
+    """A one-worker state resumes only its own worker of its own layout."""
     layout = (state["world_size"], state["num_workers"], state["unit"])
     if layout != (world_size, num_workers, unit) or state["consumed"][worker] is None:
         raise ValueError(
@@ -389,7 +397,6 @@ def pass_start(
             f"batch_size={unit}: merge the workers' states with merge_states() "
             "or state_from_loader() to change the layout"
         )
-    return [tuple(i) for i in state["base"]], state["consumed"][worker]
 
 
 def global_start(
@@ -417,15 +424,7 @@ def global_start(
     share = size // world
     first = state["start"][0] * share + state["start"][1]
     if None in state["consumed"]:
-        layout = (world, state["num_workers"], state["unit"])
-        if layout != (world_size, num_workers, unit) or state["consumed"][worker] is None:
-            raise ValueError(
-                "this state holds the progress of one DataLoader worker of world_size="
-                f"{layout[0]}, num_workers={layout[1]}, batch_size={layout[2]}; it cannot "
-                f"resume worker {worker} of world_size={world_size}, num_workers={num_workers}, "
-                f"batch_size={unit}: merge the workers' states with merge_states() or "
-                "state_from_loader() to change the layout"
-            )
+        _check_own_worker(state, world_size, num_workers, worker, unit)
         return first, state["consumed"][worker]
     step, items = divmod(first + sum(state["consumed"]), share)
     if items and (world_size != world or unit is not None and items % unit):
