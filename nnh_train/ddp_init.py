@@ -6,16 +6,22 @@ The launcher is read from the environment once, into a :class:`LaunchEnv`: torch
 peers that will never come. Under ``srun`` the rendezvous needs no wrapper script: ``MASTER_ADDR``
 defaults to the step's first node and ``MASTER_PORT`` to a port derived from the job id. The
 backend follows the device: nccl for CUDA, gloo otherwise. A group started here is destroyed
-at interpreter exit, before the interpreter stops the threads its backend may still call into
-(gloo's, which otherwise abort the process now and then: ``terminate called without an active
-exception``); a rank started by torchrun gets SIGTERM when its agent dies, so that it saves and
-stops (see :mod:`nnh_train.preemption`) instead of training on, orphaned.
+at interpreter exit, and the exit then waits (half a second at most) until no other
+thread of the process is runnable: a gloo worker that is still freeing the tensors of the last
+collective needs the GIL for it, and once the interpreter finalizes, a thread that asks for the
+GIL is ended by ``pthread_exit``, which aborts the process (``terminate called without an active
+exception``, SIGABRT, a failed job after a finished run; pytorch/pytorch#190489). Destroying the
+group alone does not help, since DDP keeps the gloo backend and its threads alive. A rank
+started by torchrun gets SIGTERM when its agent dies, so that it saves and stops (see
+:mod:`nnh_train.preemption`) instead of training on, orphaned.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import threading
+import time
 import warnings
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -45,6 +51,7 @@ DistInfo = tuple[bool, int, int, int, torch.device]
 """``(distributed, rank, local_rank, world_size, device)``."""
 
 DEFAULT_TIMEOUT = timedelta(minutes=60)
+_EXIT_SETTLE_S = 0.5  # the most a process with a group waits at exit for its other threads
 # MASTER_PORT under Slurm: base + job id modulo span, below Linux's ephemeral ports (32768-60999)
 # so that the kernel never hands the port to an outgoing connection first.
 _PORT_BASE, _PORT_SPAN = 15000, 15000
@@ -128,6 +135,36 @@ def _initialize_distributed(
 def _destroy_at_exit() -> None:
     if dist_ready():
         dist.destroy_process_group()
+        _settle_threads(_EXIT_SETTLE_S)
+
+
+def _settle_threads(limit: float, poll: float = 0.01) -> None:
+    """Sleep, the GIL released, until no thread of this process but the caller is runnable,
+    at most ``limit`` seconds (one poll where there is no ``/proc``): a backend thread that
+    needs the GIL to finish (a preempted gloo worker freeing a collective's tensors) gets it
+    while the interpreter still hands it out."""
+    deadline, me = time.monotonic() + limit, threading.get_native_id()
+    while True:
+        time.sleep(poll)
+        if time.monotonic() >= deadline or not _others_runnable(me):
+            return
+
+
+def _others_runnable(me: int) -> bool:
+    """Whether a thread of this process other than ``me`` is running or waiting for a CPU."""
+    try:
+        tasks = [int(task) for task in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc (macOS): nothing to look at
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # the thread ended meanwhile
+            continue
+        if task != me and state == "R":
+            return True
+    return False
 
 
 def get_dist_info() -> DistInfo:

@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -22,6 +24,7 @@ from nnh_train.ddp_init import (
     _is_env_distributed,
     _pick_device,
     _resolve_device,
+    _settle_threads,
     _should_use_distributed,
     as_timedelta,
     get_dist_info,
@@ -178,6 +181,36 @@ def test_timeout_values():
     for bad in (0, -1, "60", True):
         with pytest.raises(ValueError, match="timeout must be"):
             as_timedelta(bad)
+
+
+def _spin(until: threading.Event, seconds: float = float("inf")) -> None:
+    end = time.monotonic() + seconds
+    while not until.is_set() and time.monotonic() < end:
+        pass
+    until.set()
+
+
+def test_the_exit_waits_while_another_thread_still_runs():
+    # what a gloo worker freeing the last collective's tensors needs: the GIL, before the
+    # interpreter finalizes (pytorch/pytorch#190489)
+    done = threading.Event()
+    worker = threading.Thread(target=_spin, args=(done, 0.2))
+    worker.start()
+    _settle_threads(120)
+    assert done.is_set()
+    worker.join()
+
+
+def test_the_exit_wait_ends_at_its_limit():
+    stop = threading.Event()
+    worker = threading.Thread(target=_spin, args=(stop,))
+    worker.start()
+    try:
+        _settle_threads(0.1)
+        assert worker.is_alive()
+    finally:
+        stop.set()
+        worker.join()
 
 
 def test_single_process_without_launcher(launch_env):
