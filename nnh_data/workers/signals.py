@@ -15,7 +15,9 @@ it knows of dies of a signal: at exit it raised in ``multiprocessing``'s exit fu
 printed ``Exception ignored in atexit callback ... DataLoader worker (pid N) is killed by signal:
 Terminated`` after half the clean runs (a worker's death during the run is still found, by the
 loader's own checks and this handler, until the exit). A worker whose rank died ends within
-seconds (torch's watchdog). The user's ``worker_init_fn`` runs after.
+seconds (torch's watchdog). The user's ``worker_init_fn`` runs after, with the worker's queue
+guarded (:mod:`~nnh_data.workers.unsendable`): an exception of it that cannot be pickled is
+raised in the rank, not lost.
 
 A worker hands each batch's tensors to its rank as file descriptors, through ``multiprocessing``'s
 resource sharer: a thread in the worker that the rank connects to, and that reports any error
@@ -38,6 +40,8 @@ from multiprocessing import resource_sharer
 from types import FrameType, TracebackType
 from typing import Any
 
+from nnh_data.workers.unsendable import guard_worker_queue
+
 __all__ = ["shield_worker", "shielded_worker_init"]
 
 _IGNORED = (signal.SIGINT, signal.SIGUSR1)
@@ -46,7 +50,8 @@ _exit_hook_set = False
 
 
 def shielded_worker_init(fn: Callable[[int], Any] | None = None) -> Callable[[int], Any]:
-    """A ``worker_init_fn`` that calls :func:`shield_worker`, then ``fn(worker_id)`` if given.
+    """A ``worker_init_fn`` that calls :func:`shield_worker` and guards the worker's queue
+    (:func:`~nnh_data.workers.unsendable.guard_worker_queue`), then ``fn(worker_id)`` if given.
 
     Call it in the rank: it also sets the rank's exit hook. Picklable (spawn workers) when
     ``fn`` is; shielding twice is the same as once.
@@ -64,6 +69,7 @@ class _ShieldedInit:
 
     def __call__(self, worker_id: int) -> None:
         shield_worker()
+        guard_worker_queue()  # an exception of fn's that cannot be sent is raised, not lost
         if self.fn is not None:
             self.fn(worker_id)
 

@@ -12,11 +12,16 @@ nothing per batch, since multiprocessing calls the hook only on a failure. The h
 class's ``_on_queue_feeder_error`` (private to multiprocessing, kept for ``concurrent.futures``
 since Python 3.8), set in the worker process only; anything that is not a DataLoader item goes to
 the original. The error goes ahead of the items queued after the one it replaces, so the main
-process gets it in the same place.
+process gets it in the same place. The guard starts in nnh's ``worker_init_fn``
+(:func:`~nnh_data.workers.signals.shielded_worker_init`, which every loader nnh builds uses), so
+an exception of the user's own ``worker_init_fn`` is covered too (torchdata sends it in the
+worker's first answer); under a plain DataLoader given nnh's dataset alone, it starts with the
+dataset's first iteration, after the user's ``worker_init_fn``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing.queues
 import sys
 from multiprocessing.reduction import ForkingPickler
@@ -44,18 +49,45 @@ def guard_worker_queue() -> None:
 
 
 def _on_feeder_error(queue: multiprocessing.queues.Queue, error: Exception, item: Any) -> None:
-    """The feeder's hook: ``item`` (``(idx, data)``; torchdata's StatefulDataLoader sends
-    ``(idx, (data, worker_id, state))``) could not be pickled; send an error in its place."""
+    """The feeder's hook: ``item`` could not be pickled; send an error in its place."""
     info = get_worker_info()
-    if info is None or type(item) is not tuple or len(item) != 2 or type(item[0]) is not int:
+    replacement = None if info is None else _replacement(info.id, error, item)
+    if replacement is None:
         return _original(error, item)
+    _put_first(queue, replacement)
+
+
+def _replacement(worker: int, error: Exception, item: Any) -> tuple | None:
+    """``item`` with an :class:`UnsendableError` in place of what did not pickle; None for an
+    item that is not the loader's, or that is such a replacement already (no loop).
+
+    Items are ``(idx, data)``; torchdata's StatefulDataLoader sends ``(idx, (data, worker_id,
+    state))``, and first ``(request, ack)``, whose ``initial_state`` is the worker's state or
+    the exception its ``worker_init_fn`` raised."""
+    if type(item) is not tuple or len(item) != 2:
+        return None
     idx, payload = item
+    if type(payload).__name__ == "_AckStartup" and dataclasses.is_dataclass(payload):
+        data = payload.initial_state
+        if _is_replacement(data):
+            return None
+        if isinstance(data, ExceptionWrapper):
+            message = _message(worker, error, data)
+        else:
+            message = f"DataLoader worker {worker} could not send its starting state ({error!r})"
+        return idx, dataclasses.replace(payload, initial_state=_wrapped(message, error, worker))
+    if type(idx) is not int:
+        return None
     stateful = _in_torchdata_loop()
     data = payload[0] if stateful else payload
-    if isinstance(data, ExceptionWrapper) and data.exc_type is UnsendableError:
-        return _original(error, item)  # never replace a replacement (no loop)
-    wrapped = _wrapped(_message(info.id, error, data), error, info.id)
-    _put_first(queue, (idx, (wrapped, info.id, None) if stateful else wrapped))
+    if _is_replacement(data):
+        return None
+    wrapped = _wrapped(_message(worker, error, data), error, worker)
+    return idx, ((wrapped, worker, None) if stateful else wrapped)
+
+
+def _is_replacement(data: Any) -> bool:
+    return isinstance(data, ExceptionWrapper) and data.exc_type is UnsendableError
 
 
 def _put_first(queue: multiprocessing.queues.Queue, item: Any) -> None:

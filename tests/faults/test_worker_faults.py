@@ -20,6 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from nnh_data import ShardedStreamingDataset, build_shard_index, streaming_loader
 from nnh_data.errors import UnsendableError
+from nnh_data.workers.signals import shielded_worker_init
 
 pytestmark = pytest.mark.timeout(60)
 BAD = "bad\udcff\udcfe"  # the member name's bytes b"bad\xff\xfe" as nnh decodes them
@@ -135,3 +136,22 @@ def test_an_exception_a_worker_cannot_send_raises_in_the_main_process(shard):
     with pytest.raises(UnsendableError, match=r"(?s)worker \d.*Unpicklable.*failed on 'k\d{4}'"):
         _keys(DataLoader(ds, batch_size=4, num_workers=2,
                          collate_fn=_collate_raising_a_local_error))  # fmt: skip
+
+
+def _init_raising_a_local_error(worker_id: int) -> None:
+    class Unpicklable(Exception):  # a class local to the function: its instances cannot be sent
+        pass
+
+    raise Unpicklable(f"worker {worker_id} could not start")
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["DataLoader", "streaming_loader"])
+def test_an_exception_the_users_worker_init_fn_cannot_send_raises(shard, stateful):
+    ds = ShardedStreamingDataset(build_shard_index(str(shard)))
+    if stateful:
+        loader = streaming_loader(ds, 4, 2, worker_init_fn=_init_raising_a_local_error)
+    else:
+        loader = DataLoader(ds, batch_size=4, num_workers=2,
+                            worker_init_fn=shielded_worker_init(_init_raising_a_local_error))
+    with pytest.raises(UnsendableError, match=r"(?s)worker \d.*Unpicklable.*could not start"):
+        _keys(loader)
