@@ -64,6 +64,8 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from nnh_train.ddp_init import _settle_threads as settle_threads
+
 __all__ = [
     "DATA",
     "ROOT",
@@ -183,6 +185,7 @@ def _rank_main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+            settle_threads(5)  # a gloo worker freeing a DDP run's tensors, before the exit
     with open(os.path.join(folder, f"{rank}.pkl"), "wb") as fh:
         pickle.dump(result, fh)
 

@@ -56,7 +56,7 @@ def test_gloo_ranks_with_workers_hand_out_the_one_process_global_batches(world, 
 def _stop_after(rank: int, world: int, urls: list[str], batches: int) -> dict:
     """``batches`` loader batches of this rank, then its loader's state, merged."""
     ds = ShardedStreamingDataset(urls, **SETTINGS)
-    loader = streaming_loader(ds, SIZE // world, num_workers=2)
+    loader = streaming_loader(ds, SIZE // world, num_workers=1)  # resumed with 2 workers
     it = iter(loader)
     taken = [_rows(next(it)) for _ in range(batches)]
     return {"batches": taken, "state": state_from_loader(loader.state_dict())}
