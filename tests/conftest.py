@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,6 +46,12 @@ from tests.support import S3Proxy, free_port, numbered_samples, write_tar
 # Tests assert behaviour, never timings: no per-example deadline on a shared, loaded machine.
 settings.register_profile("nnh", deadline=None)
 settings.load_profile("nnh")
+
+# A suite started in the background by a shell without job control (`(make test &)`) inherits
+# SIGINT ignored, and so would every process it starts: their Ctrl-C handling, which the tests
+# check, would never run. A Python handler is not inherited across exec, so they get the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 MOTO_SERVER = Path(sys.executable).with_name("moto_server")
 _BUCKET_NUMBERS = itertools.count()
