@@ -157,12 +157,14 @@ def _others_runnable(me: int) -> bool:
     except OSError:  # no /proc (macOS): nothing to look at
         return False
     for task in tasks:
+        if task == me:
+            continue
         try:
             with open(f"/proc/self/task/{task}/stat") as fh:
                 state = fh.read().rsplit(")", 1)[1].split()[0]
         except OSError:  # the thread ended meanwhile
             continue
-        if task != me and state == "R":
+        if state == "R":
             return True
     return False
 
