@@ -136,7 +136,8 @@ class ParquetReader:
 class _Rows:
     """A forward cursor over the rows of one open Parquet file, decoded ``batch_rows`` at a
     time: a read continues from where the last one stopped (decoding the rows between, as a
-    read from the row group's start would), a read behind it starts again at its row group.
+    read from the row group's start would), a read behind it or past the row groups decoded so
+    far starts again at its row group.
     Batches, not row groups, are what is decoded at once; one decoder runs over the row
     groups a read needs (one per row group cost 15% more CPU on small groups) and no further
     (a batch may span row groups: the next one may be unreadable)."""
@@ -153,8 +154,8 @@ class _Rows:
 
     def take(self, start: int, stop: int) -> list[pa.RecordBatch]:
         """Rows ``[start, stop)`` as slices of the decoded batches."""
-        if not self._started or start < self._at:
-            group = _group_of(self.info, start)
+        group = _group_of(self.info, start)
+        if not self._started or start < self._at or group >= self._next_group:
             self._batches, self._held, self._started = None, None, True
             self._next_group, self._at = group, int(self.info.offsets[group])
         self._last = _group_of(self.info, max(start, stop - 1))

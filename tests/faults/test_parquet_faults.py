@@ -111,6 +111,22 @@ def test_a_big_row_group_is_decoded_in_slices_each_row_once(arrow, tmp_path, mon
     assert sum(decoded) == n and max(decoded) <= 1024
 
 
+@pytest.mark.parametrize("arrow", [False, True], ids=["samples", "batches"])
+def test_a_read_further_on_skips_the_row_groups_between(arrow, tmp_path, monkeypatch):
+    """Blocks of one shard read out of order (a worker's share, a shuffled block order):
+    a read past the row groups decoded so far starts at its own row group, and a read
+    behind starts again, so each read decodes only its row groups."""
+    path = _write(tmp_path / "groups.parquet", id=pa.array(range(1000), pa.int64()))
+    pq.write_table(pq.read_table(path), path, row_group_size=100)
+    info = build_shard_index(path).shards[0]
+    decoded = _decoded_rows(monkeypatch)
+    reader = ParquetReader(arrow=arrow)
+    for start in (0, 900, 450, 120):
+        assert list(reader.read(info, start, start + 10)["id"]) == list(range(start, start + 10))
+    reader.close()
+    assert sum(decoded) == 400  # one row group a read
+
+
 @pytest.mark.parametrize("how", ["declared", "decoded"])
 def test_a_value_over_the_limit_names_shard_row_group_and_column(how, tmp_path, monkeypatch):
     """``declared``: every value of a column is over the limit, which the footer proves
