@@ -300,8 +300,9 @@ def _optional_problem(entry: dict[str, Any], size: int) -> str | None:
         return f"nullable must be a list of column names, got {_clip(nullable)}"
     if not isinstance(entry.get("schema", ""), str):
         return f"schema must be a str, got {_clip(entry['schema'])}"
-    if not _is_count(entry.get("data_bytes", 0)):
-        return f"data_bytes must be an integer >= 0, got {_clip(entry['data_bytes'])}"
+    data_bytes = entry.get("data_bytes", 0)
+    if not (_is_count(data_bytes) or type(data_bytes) is int and data_bytes == -1):  # not known
+        return f"data_bytes must be an integer >= -1, got {_clip(entry['data_bytes'])}"
     if "error" not in entry:
         return None
     if not isinstance(entry["error"], str) or not _is_count(entry.get("lost")):

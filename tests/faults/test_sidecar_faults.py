@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import warnings
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from nnh_data import ShardedStreamingDataset, build_shard_index
@@ -79,3 +81,18 @@ def test_a_truly_empty_shard_is_checked_silently_and_the_sidecar_kept(tar_shards
         warnings.simplefilter("error")
         assert [i.num_samples for i in build_shard_index(urls).shards] == [2, 0, 3]
     assert sidecar.stat().st_mtime_ns == written
+
+
+def test_a_damaged_parquet_shard_skipped_at_indexing_opens_again_without_a_word(tmp_path):
+    """Its entry (what was lost, no footer to size it) is read back as written."""
+    good, damaged = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    pq.write_table(pa.table({"id": [1, 2]}), good)
+    damaged.write_bytes(b"not a parquet file" * 50)
+    urls = [str(good), str(damaged)]
+    with pytest.warns(UserWarning, match="samples lost"):
+        first = build_shard_index(urls, on_error="skip")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        again = build_shard_index(urls, on_error="skip")
+    assert [str(w.message) for w in seen if "not a valid index" in str(w.message)] == []
+    assert again == first and again.total_samples == 2
