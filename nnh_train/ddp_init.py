@@ -133,9 +133,11 @@ def _initialize_distributed(
 
 
 def _destroy_at_exit() -> None:
+    """The group destroyed (unless the script did), then the wait for gloo's threads, which
+    DDP keeps alive either way (see the module)."""
     if dist_ready():
         dist.destroy_process_group()
-        _settle_threads(_EXIT_SETTLE_S)
+    _settle_threads(_EXIT_SETTLE_S)
 
 
 def _settle_threads(limit: float, poll: float = 0.01) -> None:

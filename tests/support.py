@@ -64,7 +64,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from nnh_train.ddp_init import _settle_threads as settle_threads
+from nnh_train.ddp_init import _destroy_at_exit as destroy_group
 
 __all__ = [
     "DATA",
@@ -183,9 +183,7 @@ def _rank_main(
     try:
         result = fn(rank, world_size, *args)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-            settle_threads(5)  # a gloo worker freeing a DDP run's tensors, before the exit
+        destroy_group()  # and wait for gloo's threads, as ddp_init does at exit
     with open(os.path.join(folder, f"{rank}.pkl"), "wb") as fh:
         pickle.dump(result, fh)
 

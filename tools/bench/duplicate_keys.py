@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests/
 from nnh_data import ShardedStreamingDataset, streaming_loader
 from nnh_data.streaming.duplicate_keys import DuplicateKeys
 from tests.support import numbered_samples, write_tar

@@ -445,7 +445,8 @@ def child(system: str, case: str, folder: str) -> None:
     elif case == "jpeg_decode":
         out = run_decode_only(int(folder))  # the image count, for this case
     else:
-        out = run_epoch(system, folder, int(case[-1]), case.rsplit("_", 1)[0])
+        base, workers = case.rsplit("_w", 1)
+        out = run_epoch(system, folder, int(workers), base)
     print(json.dumps(out))
 
 
