@@ -679,7 +679,8 @@ def schema_digest(schema: pa.Schema) -> str:
 def check_schemas(fs: AbstractFileSystem, paths: Sequence[str], infos: Sequence[ShardInfo]) -> None:
     """A column that several Parquet or Arrow shards hold has one type in all of them (a
     column all null in a shard, of type null there, fits any type): otherwise its samples
-    would have several types and batches mix them. A shard may lack columns others have (its
+    would have several types and batches mix them (``large_string`` and ``string`` are one
+    type here, and so are the two binaries). A shard may lack columns others have (its
     samples then lack them too). A ``ValueError`` names the column and two shards that differ.
     Only the first shard of each schema digest is read (its footer, or an Arrow file's schema),
     and only when digests differ."""
@@ -696,10 +697,18 @@ def check_schemas(fs: AbstractFileSystem, paths: Sequence[str], infos: Sequence[
             have, other = known.get(field.name, (pa.null(), url))
             if pa.types.is_null(have):
                 known[field.name] = field.type, url
-            elif field.type != have and not pa.types.is_null(field.type):
+            elif _plain(field.type) != _plain(have) and not pa.types.is_null(field.type):
                 raise ValueError(f"shards differ in column {field.name!r}: {other} "
                                  f"holds {have}, {url} holds {field.type}; a column needs one "
                                  "type in every shard (cast it when writing them)")  # fmt: skip
+
+
+def _plain(type_: pa.DataType) -> pa.DataType:
+    """``type_`` with the 64-bit-offset text and bytes types as their plain ones: writers
+    choose between them by size, and their values are the same."""
+    if pa.types.is_large_string(type_):
+        return pa.string()
+    return pa.binary() if pa.types.is_large_binary(type_) else type_
 
 
 def _schema(fs: AbstractFileSystem, path: str, format: str) -> pa.Schema:

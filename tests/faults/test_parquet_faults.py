@@ -61,6 +61,23 @@ def test_all_null_columns_column_order_and_own_columns_are_no_difference(tmp_pat
         (1, None, None), (2, None, None), (3, "c", 5), (4, "d", 6)]
 
 
+@pytest.mark.parametrize("mode", ["samples", "batches"])
+def test_large_and_plain_text_and_bytes_are_one_type(mode, tmp_path):
+    """``string``/``large_string`` and ``binary``/``large_binary`` (which writers choose by
+    size, ``datasets`` among them) give the same values: no difference."""
+    a = _write(tmp_path / "p-0.parquet", text=pa.array(["a", "b"], pa.string()),
+               blob=pa.array([b"x", b"y"], pa.binary()))  # fmt: skip
+    b = _write(tmp_path / "p-1.arrow", text=pa.array(["c", "d"], pa.large_string()),
+               blob=pa.array([b"z", b"w"], pa.large_binary()))  # fmt: skip
+    ds = ShardedStreamingDataset([a, b], shuffle=False)
+    if mode == "samples":
+        rows = [(s["text"], bytes(s["blob"])) for s in ds]
+    else:
+        rows = [(t, bytes(v)) for batch in streaming_loader(ds, 2)
+                for t, v in zip(batch["text"], batch["blob"])]  # fmt: skip
+    assert rows == [("a", b"x"), ("b", b"y"), ("c", b"z"), ("d", b"w")]
+
+
 def test_a_sidecar_from_before_schemas_were_kept_is_checked_too(tmp_path):
     a = _write(tmp_path / "p-0.parquet", id=[1, 2])
     b = _write(tmp_path / "p-1.parquet", id=[3, 4])
