@@ -2,15 +2,17 @@
 
 Design. Two shards holding the same ``__key__`` give two samples of one key (two copies of a
 shard, two data sets numbered alike, Parquet files of one stem in two folders), which nothing
-downstream can tell apart. A :class:`DuplicateKeys` keeps, for each shard a process reads, the
-range of its keys (smallest, largest), the 64-bit hashes of its keys and, per sample, whether
-it was compared and found; a block's samples not compared before are compared with the shards
-whose range overlaps the block's (``np.isin`` of the hashes), so shards of sorted, disjoint
-keys (webdataset's numbering, row numbers of Parquet files of different names) cost a ``min``,
-a ``max`` and a hash per key the first time a process reads a sample (~0.1 us), and a block
-read again costs a look at its samples' flags. A key two shards hold is found in the one read
-second, so the count is one per extra copy of a key, each epoch. Trade-offs: at most
-``MAX_KEYS`` hashes per process (8 bytes each) are kept, so past them a key is compared only
+downstream can tell apart. A :class:`DuplicateKeys` keeps the 64-bit hashes of the keys a
+process has read, each with the number of its shard, in sorted runs merged as they grow (each
+under a quarter of the one before it: ~log4(n) runs), a filter of one bit per hash's low 26
+bits, and per shard and sample whether it was compared and found. A block's samples not
+compared before are looked up in every run (a binary search) only where the filter has their
+bit, whatever the order of the keys: hash-like keys overlap every shard's key range, and
+comparing shard by shard cost 30-130 us a sample at 50-200 shards read; this costs 0.3-0.4 us
+a key at 50-500 shards, the first time a process reads a sample. A block read again costs a
+look at its samples' flags. A key two shards hold is found in the one read second, so the
+count is one per extra copy of a key, each epoch. Trade-offs: at most ``MAX_KEYS`` hashes per
+process (12 bytes each, and the filter's 8 MiB) are kept, so past them a key is compared only
 with those; a DataLoader worker or rank compares the shards it reads, so a key shared by
 shards that two workers read is not found; two keys of one 64-bit hash would count as one
 (odds ~n^2 / 2^65).
@@ -20,29 +22,61 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 __all__ = ["MAX_KEYS", "DuplicateKeys"]
 
-MAX_KEYS = 1 << 22  # key hashes kept per process (32 MiB)
+MAX_KEYS = 1 << 22  # key hashes kept per process (48 MiB with their shard numbers)
+_BITS = 26  # the filter's bits: 2^26, so ~6% of new keys are searched at MAX_KEYS kept
+_MASK = (1 << _BITS) - 1
 
 
 @dataclass
 class _Shard:
-    low: str
-    high: str
+    number: int
     compared: np.ndarray  # per sample: compared once
     found: np.ndarray  # per sample: its key was in another shard when compared
-    hashes: list[np.ndarray] = field(default_factory=list)  # sorted and unique once compacted
-    # the other shards whose range overlaps its own, as of a version of the ranges
-    overlapping: tuple[int, list[tuple[str, _Shard]]] = (-1, [])
 
-    def compacted(self) -> np.ndarray:
-        if len(self.hashes) != 1:
-            self.hashes = [np.unique(np.concatenate(self.hashes))]
-        return self.hashes[0]
+
+class _Runs:
+    """Runs of (hash, shard number), sorted by hash, equal hashes in the order they came,
+    and a bit per hash's low 26 bits, so that most keys never seen need no search."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[np.ndarray, np.ndarray]] = []
+        self.bits = np.zeros(1 << (_BITS - 3), np.uint8)  # 8 MiB, in pages as they are set
+
+    def add(self, hashes: np.ndarray, shard: int) -> None:
+        low = hashes & _MASK
+        np.bitwise_or.at(self.bits, low >> 3, np.left_shift(1, low & 7).astype(np.uint8))
+        run = (hashes, np.full(hashes.size, shard, np.int32))
+        while self.runs and self.runs[-1][0].size <= 4 * run[0].size:
+            last = self.runs.pop()
+            run = (np.concatenate([last[0], run[0]]), np.concatenate([last[1], run[1]]))
+        order = np.argsort(run[0], kind="stable")  # equal hashes in the order they came
+        self.runs.append((run[0][order], run[1][order]))
+
+    def other(self, hashes: np.ndarray, shard: int) -> np.ndarray:
+        """Per hash, the number of another shard holding it, or -1, looking at the first and
+        the last of a run's equal hashes (a key missed so is one held by ``shard`` before and
+        after another shard: a third copy, of which the second was counted)."""
+        out = np.full(hashes.size, -1, np.int64)
+        low = hashes & _MASK
+        maybe = np.flatnonzero((self.bits[low >> 3] >> (low & 7)) & 1)
+        order = maybe[np.argsort(hashes[maybe])]
+        needles = hashes[order]  # sorted: numpy's search then walks each run once
+        for keys, shards in self.runs:
+            at = np.minimum(np.searchsorted(keys, needles), keys.size - 1)
+            held = np.flatnonzero(keys[at] == needles)
+            if held.size:  # rare: only then the last of the equal hashes is looked for
+                last = shards[np.searchsorted(keys, needles[held], "right") - 1]
+                first = shards[at[held]]
+                pick = np.where(first != shard, first, last)
+                rows = order[held]
+                out[rows] = np.where((pick != shard) & (out[rows] < 0), pick, out[rows])
+        return out
 
 
 class DuplicateKeys:
@@ -50,7 +84,9 @@ class DuplicateKeys:
 
     def __init__(self) -> None:
         self._shards: dict[str, _Shard] = {}
-        self._kept = self._version = 0  # _version: ranges added or grown
+        self._urls: list[str] = []
+        self._runs = _Runs()
+        self._kept = 0
         self._warned = False
 
     def __getstate__(self) -> dict:
@@ -68,38 +104,24 @@ class DuplicateKeys:
             return int(np.count_nonzero(shard.found[rows]))  # read before: nothing compared
         if not keys:
             return 0
-        low, high = min(keys), max(keys)
         if shard is None:
-            shard = self._shards[url] = _Shard(low, high, np.zeros(size, bool),
+            shard = self._shards[url] = _Shard(len(self._urls), np.zeros(size, bool),
                                                np.zeros(size, bool))  # fmt: skip
-            self._version += 1
-        elif low < shard.low or high > shard.high:
-            shard.low, shard.high = min(shard.low, low), max(shard.high, high)
-            self._version += 1
+            self._urls.append(url)
         hashes = np.fromiter(map(hash, keys), np.int64, len(keys))
-        found = np.zeros(len(keys), bool)
-        for other_url, other in self._overlapping(url, shard):
-            hit = np.isin(hashes, other.compacted())
-            if hit.any() and not self._warned:
-                self._warn(keys[int(hit.argmax())], other_url, url)
-            found |= hit
+        other = self._runs.other(hashes, shard.number)
+        found = other >= 0
+        if found.any() and not self._warned:
+            hit = int(found.argmax())
+            self._warn(keys[hit], self._urls[other[hit]], url)
         new = ~shard.compared[rows]
         shard.found[rows] = np.where(new, found, shard.found[rows])
         shard.compared[rows] = True
         if self._kept < MAX_KEYS:
             hashes = hashes if new.all() else hashes[new]
-            shard.hashes.append(hashes)
+            self._runs.add(hashes, shard.number)
             self._kept += hashes.size
         return int(np.count_nonzero(shard.found[rows]))
-
-    def _overlapping(self, url: str, shard: _Shard) -> list[tuple[str, _Shard]]:
-        """The other shards whose key range overlaps that of ``shard``, found again (a loop
-        over the shards, in Python) only after a range was added or grew."""
-        if shard.overlapping[0] != self._version:
-            found = [(u, other) for u, other in self._shards.items() if u != url and
-                     other.low <= shard.high and shard.low <= other.high]
-            shard.overlapping = (self._version, found)
-        return shard.overlapping[1]
 
     def _warn(self, key: str, first: str, second: str) -> None:
         self._warned = True

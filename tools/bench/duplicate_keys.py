@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests/
 from nnh_data import ShardedStreamingDataset, streaming_loader
 from nnh_data.streaming.duplicate_keys import DuplicateKeys
@@ -55,16 +57,20 @@ def epoch_cpu(urls: list[str], mode: str, epoch: int) -> float:
 def count_ns(second: str) -> float:
     """``count``'s CPU per key: 1,000 blocks of 700 sorted keys in 100 shards, read once, then
     ``second``: again (``again``), or the same keys as other shards (``copies``, every key
-    found), or other keys (``first``)."""
+    found), or other keys (``first``); ``hashed``: as ``first`` with hash-like keys (random hex,
+    so that every shard's key range overlaps every other's)."""
     keys, size, block = DuplicateKeys(), 7000, 700
     names = [[f"{i:08d}" for i in range(b * block, (b + 1) * block)] for b in range(2000)]
+    if second == "hashed":
+        rng = np.random.default_rng(0)
+        names = [[f"{k:016x}" for k in rng.integers(0, 2**63, block)] for _ in range(2000)]
     rows = [slice(b % 10 * block, (b % 10 + 1) * block) for b in range(1000)]
     for b in range(1000):
         REAL_COUNT(keys, f"s{b // 10}", size, rows[b], names[b])
     started = time.process_time()
     for b in range(1000):
-        url = {"again": "s", "copies": "copy", "first": "t"}[second] + str(b // 10)
-        REAL_COUNT(keys, url, size, rows[b], names[b + 1000 if second == "first" else b])
+        url = {"again": "s", "copies": "copy", "first": "t", "hashed": "t"}[second] + str(b // 10)
+        REAL_COUNT(keys, url, size, rows[b], names[b + 1000 if url[0] == "t" else b])
     return (time.process_time() - started) / (block * 1000) * 1e9
 
 
@@ -102,7 +108,8 @@ def main() -> None:
             out[f"{mode}_count_share"] = round(min(shares), 4)
             per_sample = min(without) / (SHARDS * PER_SHARD)
             out[f"{mode}_us_per_sample_without"] = round(per_sample * 1e6, 2)
-    out["count_ns_per_key"] = {s: round(count_ns(s), 1) for s in ("first", "again", "copies")}
+    cases = ("first", "again", "copies", "hashed")
+    out["count_ns_per_key"] = {case: round(count_ns(case), 1) for case in cases}
     print(json.dumps(out))
 
 

@@ -33,3 +33,20 @@ def test_a_key_two_shards_hold_counts_once_whichever_is_read_first():
         with pytest.warns(UserWarning, match="is in two shards"):
             counts = [_count(keys, url, 0, ["x", "y"]) for url in order * 2]
         assert counts == [0, 2, 0, 2]
+
+
+def test_random_keys_of_many_shards_find_exactly_the_shared_ones():
+    """Hash-like keys (every shard's range overlaps every other's), blocks interleaved: the
+    count is the number of keys of each block that another shard read before held."""
+    rng = np.random.default_rng(0)
+    pool = [f"{k:016x}" for k in rng.integers(0, 2**63, 4000)]
+    shards = {f"s{i}": list(rng.choice(pool, 50, replace=False)) for i in range(60)}
+    keys, held = DuplicateKeys(), {}
+    with pytest.warns(UserWarning, match="is in two shards"):
+        for first in range(0, 50, 10):
+            for url, shard in shards.items():
+                block = shard[first:first + 10]
+                others = set().union(*(k for u, k in held.items() if u != url))
+                counted = keys.count(url, 50, np.arange(first, first + 10), block)
+                assert counted == sum(key in others for key in block)
+                held.setdefault(url, set()).update(block)
