@@ -493,17 +493,22 @@ def hand_out_samples(
 def _decoded(samples: list, stack: list, decoding: Decoding) -> Iterator[Any]:
     """The window's samples popped off ``stack`` (``samples``, in order) through the decoding
     function, mapped in C (no Python frame per sample but the function's own); after an
-    exception, ``decoding.failed`` of the sample that raised (the last one popped), then on."""
+    exception, ``decoding.failed`` of the sample that raised (the last one popped), then on
+    (a StopIteration, which ends the map, as a RuntimeError saying so)."""
     popped = iter(stack.pop, _DONE)
     kept = functools.partial(operator.is_not, LEFT_OUT)
     function = _function(decoding)
     while True:
         try:
             yield from filter(kept, map(function, popped))
-            return
-        except Exception as exc:
-            if (out := decoding.failed(samples[len(samples) - len(stack)], exc)) is not LEFT_OUT:
-                yield out
+            if not stack:  # _DONE popped: the window's end
+                return
+            # map took a StopIteration of the function for its own end
+            exc: Exception = RuntimeError("the decode function raised StopIteration")
+        except Exception as raised:
+            exc = raised
+        if (out := decoding.failed(samples[len(samples) - len(stack)], exc)) is not LEFT_OUT:
+            yield out
 
 
 def _function(decoding: Decoding) -> Callable[[dict], Any]:

@@ -272,6 +272,31 @@ def test_decoding_hands_out_what_the_plain_loop_does(parts, bad, skip, timing):
     assert bool(timed) == (timing and any(k is not None for part in parts for k in part))
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_decode_raising_stop_iteration_fails_its_sample_and_loses_no_other(skip):
+    """StopIteration from the user's function would end the window's map early, silently:
+    it is a failure of its sample like any exception, and the window goes on."""
+
+    def decode(sample):
+        if sample["k"] == 2:
+            raise StopIteration
+        return sample["k"]
+
+    def failed(sample, exc):
+        if not skip:
+            raise RuntimeError(f"at {sample['k']}") from exc
+        return stages.LEFT_OUT
+
+    rows = [[{"k": k} for k in range(5)]]
+    out = stages.hand_out_samples(make_parts(rows), stages.Progress(),
+                                  stages.Decoding(decode, failed), [].append)  # fmt: skip
+    if skip:
+        assert list(out) == [0, 1, 3, 4]
+    else:
+        with pytest.raises(RuntimeError, match="at 2"):
+            list(out)
+
+
 @pytest.mark.parametrize("slice_size", [7, 10**6])
 @pytest.mark.parametrize("mixed", [False, True])
 def test_samples_built_in_slices_are_the_stream_built_whole(tar_shards, monkeypatch, mixed,
